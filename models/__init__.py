@@ -1,0 +1,1 @@
+"""Built-in plugins and the tensor-parallel layers they are made of."""

@@ -1,0 +1,81 @@
+"""RequestDispatcher: sends each whole request to one healthy replica.
+
+Choice: the healthy replica with the fewest requests in flight; ties rotate
+round-robin, starting after the replica chosen last. A replica that has failed
+is out of the rotation for good (no restarts). With no healthy replica left,
+``submit`` raises ``EngineUnavailableError`` at once, naming each replica's cause.
+
+The choice and the executor's in-flight increment happen under one lock, so
+concurrent submits see each other's load.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from typing import Any, Sequence
+
+from runtime.errors import EngineUnavailableError
+from runtime.executor import ReplicaExecutor, ReplicaStatus
+
+
+class RequestDispatcher:
+    def __init__(self, executors: Sequence[ReplicaExecutor]) -> None:
+        if not executors:
+            raise ValueError("RequestDispatcher needs at least one replica executor")
+        self._executors = list(executors)
+        self._lock = threading.Lock()
+        self._cursor = 0
+        self._closed = False
+
+    @property
+    def executors(self) -> list[ReplicaExecutor]:
+        return list(self._executors)
+
+    def statuses(self) -> list[ReplicaStatus]:
+        return [executor.status() for executor in self._executors]
+
+    def submit(self, request: Any) -> Future:
+        with self._lock:
+            if self._closed:
+                raise EngineUnavailableError("the engine is closed")
+            tried: set[int] = set()
+            while True:
+                executor = self._choose(tried)
+                if executor is None:
+                    raise EngineUnavailableError(self._none_healthy())
+                try:
+                    return executor.submit(request)
+                except EngineUnavailableError:
+                    tried.add(executor.index)  # it failed between the check and the send
+
+    def _choose(self, tried: set[int]) -> ReplicaExecutor | None:
+        count = len(self._executors)
+        best = None
+        for step in range(count):
+            executor = self._executors[(self._cursor + step) % count]
+            if executor.index in tried or not executor.healthy:
+                continue
+            if best is None or executor.inflight < best.inflight:
+                best = executor
+        if best is not None:
+            self._cursor = (self._executors.index(best) + 1) % count
+        return best
+
+    def _none_healthy(self) -> str:
+        causes = "; ".join(f"replica {e.index}: {e.error or 'unavailable'}" for e in self._executors)
+        return f"no healthy replica is left ({causes})"
+
+    def close(self, timeout: float | None = None) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        errors = []
+        for executor in self._executors:
+            try:
+                executor.close(timeout)
+            except Exception as exc:  # close the rest regardless
+                errors.append(exc)
+        if errors:
+            raise errors[0]

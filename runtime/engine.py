@@ -1,0 +1,136 @@
+"""Engine: the one interface for every deployment shape.
+
+    Engine.submit(request)
+      -> plugin.validate_request(request)      in the caller; its error is raised here
+      -> RequestDispatcher                     least in flight among healthy replicas
+           -> ReplicaExecutor[i].submit        inline thread | local worker group | torchrun rank
+      <- concurrent.futures.Future
+
+Everything that can be checked before a process starts is checked in the caller,
+in this order: the plugin resolves, ``configure(plugin_args)``,
+``validate_parallel(parallel)``, the deployment's mode and device placement.
+"""
+
+from __future__ import annotations
+
+import weakref
+from concurrent.futures import Future
+from typing import Any
+
+from runtime.config import DeploymentConfig, EngineArgs
+from runtime.dispatcher import RequestDispatcher
+from runtime.errors import EngineUnavailableError
+from runtime.executor import ReplicaExecutor, ReplicaStatus
+from runtime.plugins import Entry, resolve_plugin
+
+__all__ = ["Engine", "ReplicaStatus"]
+
+#: how long an engine nobody closed waits for a running request at interpreter exit
+_EXIT_TIMEOUT_S = 5.0
+
+
+class Engine:
+    """Serve a plugin inline, on local worker groups, or as one torchrun rank.
+
+    ``Engine(EngineArgs(plugin="policy"))`` runs inline; ``deployment`` chooses
+    otherwise (see ``DeploymentConfig``). Use it as a context manager, or call
+    ``close()``; an engine nobody closed is closed at interpreter exit.
+    """
+
+    def __init__(self, args: EngineArgs, deployment: DeploymentConfig | None = None) -> None:
+        if not isinstance(args, EngineArgs):
+            raise TypeError(f"Engine needs EngineArgs, got {args!r}")
+        if deployment is None:
+            deployment = DeploymentConfig()
+        if not isinstance(deployment, DeploymentConfig):
+            raise TypeError(f"deployment must be a DeploymentConfig, got {deployment!r}")
+        self.args = args
+        self.deployment = deployment
+
+        entry_cls = resolve_plugin(args.plugin)
+        self._entry: Entry = entry_cls()
+        self._entry.configure(args.plugin_args)
+        parallel = args.config.parallel
+        self._entry.validate_parallel(parallel)
+        self.ranks_per_replica = parallel.infer_replica_world_size()
+        self.mode = deployment.resolve_mode(self.ranks_per_replica)
+        placement = deployment.placement(self.ranks_per_replica)
+
+        executors = self._start_executors(entry_cls, placement)
+        self._dispatcher = RequestDispatcher(executors)
+        self._finalizer = weakref.finalize(self, _close_at_exit, self._dispatcher)
+
+    def _start_executors(self, entry_cls: type[Entry], placement: list[tuple[int, ...]]) -> list[ReplicaExecutor]:
+        if self.mode == "inline":
+            from runtime.inline import InlineExecutor
+            from workers.core import EngineCore, make_context
+
+            devices = placement[0]
+            ctx = make_context(self.args.config, device_index=devices[0] if self.deployment.devices else None)
+            return [InlineExecutor(EngineCore(self._entry, self.args.plugin_args, ctx), 0, devices)]
+        raise NotImplementedError(
+            f"deployment mode {self.mode!r} is not available in this build yet; "
+            "use one rank and one replica (inline)"
+        )
+
+    # -- requests ------------------------------------------------------------------
+
+    def submit(self, request: Any) -> Future:
+        """Validate ``request`` here, then hand it to a replica; returns at once.
+
+        Raises the plugin's own error for a bad payload, and
+        ``EngineUnavailableError`` when the engine is closed or no replica is healthy.
+        """
+        if not self._finalizer.alive:
+            raise EngineUnavailableError("the engine is closed")
+        self._entry.validate_request(request)
+        return self._dispatcher.submit(request)
+
+    def step(self, request: Any, timeout: float | None = None) -> Any:
+        """Run one request and return its result.
+
+        With ``timeout`` (seconds), raises ``TimeoutError`` when no result came in
+        time; a request that was still queued is then cancelled, one that was
+        running goes on and its result is dropped.
+        """
+        future = self.submit(request)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            if future.done() and not future.cancelled():
+                return future.result()
+            state = "cancelled while queued" if future.cancel() else "still running; its result is dropped"
+            raise TimeoutError(f"no result within {timeout} s (the request was {state})") from None
+
+    # -- state ---------------------------------------------------------------------
+
+    @property
+    def replicas(self) -> list[ReplicaStatus]:
+        """Each replica's health and in-flight count."""
+        return self._dispatcher.statuses()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self, timeout: float | None = None) -> None:
+        """Cancel queued work, fail pending managed requests, stop and release
+        everything. Idempotent. ``timeout`` bounds the wait for a running inline
+        request (None waits for it)."""
+        if self._finalizer.detach() is not None:
+            self._dispatcher.close(timeout)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{sum(r.healthy for r in self.replicas)} healthy"
+        return (f"Engine(plugin={self.args.plugin!r}, mode={self.mode!r}, "
+                f"replicas={self.deployment.replica_count}, ranks_per_replica={self.ranks_per_replica}, {state})")
+
+
+def _close_at_exit(dispatcher: RequestDispatcher) -> None:
+    dispatcher.close(_EXIT_TIMEOUT_S)

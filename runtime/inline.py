@@ -1,0 +1,145 @@
+"""InlineExecutor: the plugin runs in the caller's process, on one background thread.
+
+    caller threads --submit--> FIFO queue --> serve thread --> EngineCore.step()
+                   <--------- Future.set_result / set_exception ------------'
+
+Invariants:
+- Requests start in submission order. A request still in the queue can be
+  cancelled (``Future.cancel()``); once the serve thread has taken it, it runs.
+- A stepped (batching) runner is handed everything queued at each step, so
+  concurrent requests share forward passes; an executing runner takes one at a time.
+- A plugin exception fails that request's future with the plugin's own exception
+  and the replica stays healthy. Only a ``BaseException`` that is not an
+  ``Exception`` (say ``SystemExit`` from plugin code) takes the replica down.
+- The serve thread is a daemon: an engine nobody closed never keeps the interpreter
+  alive; ``Engine`` closes it from a ``weakref.finalize`` at exit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+from runtime.errors import EngineUnavailableError
+from runtime.executor import ReplicaExecutor
+from workers.core import EngineCore
+
+_STOP = object()
+
+
+class InlineExecutor(ReplicaExecutor):
+    mode = "inline"
+
+    def __init__(self, core: EngineCore, index: int = 0, devices: tuple[int, ...] = ()) -> None:
+        super().__init__(index, devices)
+        self._core = core
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._ids = itertools.count()
+        self._running: dict[int, Future] = {}
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._serve, name=f"phyrt-inline-{index}", daemon=True)
+        self._thread.start()
+
+    def _submit(self, request: Any, future: Future) -> None:
+        with self._close_lock:
+            if self._closed:
+                raise EngineUnavailableError("the engine is closed")
+            self._queue.put((next(self._ids), request, future))
+
+    # -- the serve thread ----------------------------------------------------------
+
+    def _serve(self) -> None:
+        core = self._core
+        try:
+            while True:
+                # Block for new work only when the runner has nothing left to advance.
+                if not self._admit(block=not core.has_unfinished()):
+                    return
+                for request_id, result, error in core.step():
+                    future = self._running.pop(request_id, None)
+                    if future is None:
+                        continue
+                    if error is None:
+                        future.set_result(result)
+                    else:
+                        future.set_exception(error)
+        except BaseException as exc:  # the runner itself broke: nothing it holds can finish
+            reason = f"inline runner failed: {type(exc).__name__}: {exc}"
+            self.mark_failed(reason)
+            self._fail_running(reason, exc)
+            self._drain_queue(reason)  # the thread ends here; the failure is the replica's state
+
+    def _admit(self, block: bool) -> bool:
+        """Move queued requests into the core; False once asked to stop."""
+        while True:
+            try:
+                item = self._queue.get(block=block)
+            except queue.Empty:
+                return True
+            if item is _STOP:
+                return False
+            request_id, request, future = item
+            block = False
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled while queued
+            try:
+                self._core.add(request_id, request)
+            except Exception as exc:
+                future.set_exception(exc)
+                continue
+            self._running[request_id] = future
+            if not self._core.batching:
+                return True
+
+    def _fail_running(self, reason: str, cause: BaseException | None = None) -> None:
+        running, self._running = self._running, {}
+        for future in running.values():
+            _fail(future, reason, cause)
+
+    def _drain_queue(self, reason: str) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _STOP:
+                future = item[2]
+                if future.cancel():
+                    continue
+                _fail(future, reason)
+
+    # -- shutdown ------------------------------------------------------------------
+
+    def close(self, timeout: float | None = None) -> None:
+        """Cancel queued requests, let the running one finish, stop the thread.
+
+        ``timeout`` bounds the wait for the running request; past it, its future
+        fails with ``EngineUnavailableError`` and the (daemon) thread is abandoned.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.mark_failed("the engine is closed")
+            self._drain_queue("the engine is closed")
+            self._queue.put(_STOP)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._fail_running(f"the engine closed while a request was still running after {timeout} s")
+            return
+        self._fail_running("the engine is closed")
+        self._core.close()
+
+
+def _fail(future: Future, reason: str, cause: BaseException | None = None) -> None:
+    error = EngineUnavailableError(reason)
+    error.__cause__ = cause
+    try:
+        future.set_exception(error)
+    except Exception:  # already finished by another path; never complete twice
+        pass

@@ -1,0 +1,1 @@
+"""Spawns and supervises the rank processes of local replicas (see supervisor.supervisor)."""

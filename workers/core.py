@@ -1,0 +1,103 @@
+"""EngineCore: one plugin runner on one rank, behind one interface.
+
+The inline executor runs an EngineCore in the caller's process; every local or
+external rank runs the same class, so a plugin behaves the same in all three modes.
+
+A plugin's runner is either executing (``execute(request) -> result``) or stepped
+(``add``/``step``/``has_unfinished``, for batching plugins). The core gives both
+the stepped shape, so one loop drives either:
+
+    core.add(request_id, request)        # admit work (may raise for that request)
+    for request_id, result, error in core.step():
+        ...                              # error is None or the exception raised
+
+An executing runner runs one admitted request per ``step``; its exception fails
+that request only.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+from runtime.config import EngineConfig
+from runtime.plugins import BuildContext, Entry
+
+Completion = tuple[Any, Any, BaseException | None]
+
+
+def make_context(config: EngineConfig, *, rank: int = 0, world_size: int = 1,
+                 replica_index: int = 0, device_index: int | None = None) -> BuildContext:
+    """The BuildContext of one rank; resolves "auto" and the device index."""
+    import torch
+
+    target = config.device.resolve_target()
+    if target == "cuda":
+        index = 0 if device_index is None else device_index
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device entry {index} is out of range: this process sees "
+                f"{torch.cuda.device_count()} CUDA device(s) (CUDA_VISIBLE_DEVICES applies)"
+            )
+        device = torch.device("cuda", index)
+    else:
+        device = torch.device("cpu")
+    return BuildContext(
+        rank=rank,
+        world_size=world_size,
+        replica_index=replica_index,
+        device=device,
+        target=target,
+        params_dtype=config.device.torch_dtype,
+        parallel=config.parallel,
+    )
+
+
+class EngineCore:
+    """Builds the plugin's runner for one rank and drives it."""
+
+    def __init__(self, entry: Entry, plugin_args: Any, ctx: BuildContext) -> None:
+        self.entry = entry
+        self.ctx = ctx
+        self.runner = entry.build(ctx, plugin_args)
+        stepped = all(callable(getattr(self.runner, m, None)) for m in ("add", "step", "has_unfinished"))
+        if not stepped and not callable(getattr(self.runner, "execute", None)):
+            raise TypeError(
+                f"{type(entry).__name__}.build returned {type(self.runner).__name__}, which has "
+                "neither execute(request) nor add/step/has_unfinished"
+            )
+        #: stepped runners batch whatever has been admitted; executing ones take one at a time
+        self.batching = stepped
+        self._pending: collections.deque[tuple[Any, Any]] = collections.deque()
+
+    def add(self, request_id: Any, request: Any) -> None:
+        if self.batching:
+            self.runner.add(request_id, request)
+        else:
+            self._pending.append((request_id, request))
+
+    def has_unfinished(self) -> bool:
+        return self.runner.has_unfinished() if self.batching else bool(self._pending)
+
+    def step(self) -> list[Completion]:
+        """Advance the runner once; returns the requests that finished."""
+        if self.batching:
+            done = []
+            for request_id, outcome in self.runner.step():
+                if isinstance(outcome, BaseException):
+                    done.append((request_id, None, outcome))
+                else:
+                    done.append((request_id, outcome, None))
+            return done
+        if not self._pending:
+            return []
+        request_id, request = self._pending.popleft()
+        try:
+            return [(request_id, self.runner.execute(request), None)]
+        except Exception as exc:  # a request-local failure: report it as data
+            return [(request_id, None, exc)]
+
+    def close(self) -> None:
+        close = getattr(self.runner, "close", None)
+        if callable(close):
+            close()
