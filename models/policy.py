@@ -110,10 +110,17 @@ class PolicyRunner:
 
 
 class PolicyEntry(Entry):
-    """Built-in demo plugin; implements the ``dense`` domain (tensor parallel over ``dense_tp``)."""
+    """Built-in demo plugin: tensor parallel over ``dense_tp``.
+
+    It has no attention, but besides an unsplit attention domain it accepts one that
+    mirrors the dense split (attention tp = dense tp, cp 1), so that layouts written for a
+    transformer, such as the spec's ``dense tp 2 + attention tp 2``, run it
+    unchanged. Any split that would make ranks of one replica compute the same
+    thing twice (a dense or attention dp > 1) is refused.
+    """
 
     name = "policy"
-    parallel_domains = frozenset({"dense"})
+    parallel_domains = frozenset({"dense", "attention"})
 
     def __init__(self) -> None:
         self.args: PolicyArgs | None = None
@@ -125,6 +132,12 @@ class PolicyEntry(Entry):
     def validate_parallel(self, parallel: ParallelConfig) -> None:
         super().validate_parallel(parallel)
         tp = parallel.dense.tp_size
+        attention = parallel.attention
+        if parallel.dense.dp_size != 1 or attention.tp_size not in (1, tp) or attention.cp_size != 1:
+            raise ValueError(
+                "policy splits only dense_tp: it needs dense dp 1 and attention either unsplit or "
+                f"mirroring it (tp 1 or {tp}, cp 1), got dense tp {tp} dp {parallel.dense.dp_size}, attention tp "
+                f"{attention.tp_size} cp {attention.cp_size} dp {attention.dp_size}")
         if self.args is not None and self.args.hidden % tp:
             raise ValueError(f"policy: hidden {self.args.hidden} is not divisible by dense.tp_size {tp}")
 

@@ -68,6 +68,26 @@ class Engine:
             devices = placement[0]
             ctx = make_context(self.args.config, device_index=devices[0] if self.deployment.devices else None)
             return [InlineExecutor(EngineCore(self._entry, self.args.plugin_args, ctx), 0, devices)]
+        if self.mode == "local":
+            import msgpack
+
+            from runtime.multiprocess import MultiprocessExecutor
+            from supervisor import WorkerSupervisor
+
+            try:
+                msgpack.packb(self.args.plugin_args, use_bin_type=True)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise TypeError(
+                    "plugin_args must be plain data (dicts, lists, strings, numbers, bytes) to reach "
+                    f"worker processes: {exc}") from None
+            executors = [MultiprocessExecutor(i, devices) for i, devices in enumerate(placement)]
+            supervisor = WorkerSupervisor(
+                self.args, entry_cls.spec(), placement, self.deployment.process_config,
+                self.args.config.device.resolve_target(),
+                on_group_failed=lambda index, reason: executors[index].mark_failed(reason))
+            for executor in executors:
+                executor.attach(supervisor)
+            return executors
         raise NotImplementedError(
             f"deployment mode {self.mode!r} is not available in this build yet; "
             "use one rank and one replica (inline)"

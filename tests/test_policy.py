@@ -43,7 +43,7 @@ def observations(batch: int = 3, obs_dim: int = 12) -> torch.Tensor:
 def entry():
     P.destroy()
     cls = resolve_plugin("policy")  # through the phyrt.plugins entry point
-    assert cls.name == "policy" and cls.parallel_domains == frozenset({"dense"})
+    assert cls.name == "policy" and cls.parallel_domains == frozenset({"dense", "attention"})
     return cls()
 
 

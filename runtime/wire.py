@@ -1,0 +1,442 @@
+"""The wire codec: msgpack messages with tensors as typed msgpack extensions.
+
+Leaf module: imports nothing from the project but ``runtime.errors``. torch is
+imported lazily, only when a torch tensor is encoded or torch output is asked
+for, so that a torch-free client (pyzmq, msgpack, numpy) can use it.
+
+One message is one msgpack map in one frame::
+
+    {"v": PROTOCOL_VERSION, "type": <non-empty str>, "id": <int | str>, **fields}
+
+Map keys are ``str`` everywhere; tuples become lists; numpy scalars become
+Python numbers. Tensors (torch or numpy) may sit anywhere inside the fields and
+travel as ``msgpack.ExtType``; raw bytes are little-endian, C order::
+
+    code 1  inline    [dtype, shape, raw bytes]            nbytes < inline_threshold,
+                                                           or no allocator given
+    code 2  shm       {segment, offset, nbytes, dtype, shape}
+    code 3  cuda ipc  the fields of torch's reduce_tensor() as a msgpack map
+
+    sender                                       receiver
+    pack_message(..., tensor_encoder=E)  ---->   unpack_message(data, tensor_decoder=D)
+      E.allocator.place(n) -> (seg, off, view)     D.mapper.view(seg, off, n) -> view
+      one copy of the tensor into the view         a tensor VIEW over it, no copy
+
+Ownership: a decoded shared-memory tensor is a view, valid while the segment's
+owner keeps the block; call ``.clone()`` to keep it. A decoded CUDA IPC tensor
+aliases the sender's GPU memory and is valid while the sending process lives.
+Inline tensors are decoded into fresh, writable memory.
+
+Decoding treats its input as untrusted: every failure (bad msgpack, trailing
+bytes, wrong version, a non-str key, a dtype outside the allow-list, a shape
+that does not match the byte count, a segment outside the mapper's run) raises
+``ProtocolError``, never IndexError/KeyError/struct errors. bfloat16 decodes
+to torch only; asking for numpy output of a bfloat16 tensor raises
+``ProtocolError`` rather than handing back raw uint16 bits silently. Nothing is
+ever pickled.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgpack
+import numpy as np
+
+from runtime.errors import ProtocolError
+
+if sys.byteorder != "little":  # the wire carries raw little-endian bytes
+    raise ImportError("runtime.wire supports little-endian hosts only")
+
+PROTOCOL_VERSION = 1
+EXT_INLINE, EXT_SHM, EXT_CUDA_IPC = 1, 2, 3
+DEFAULT_INLINE_THRESHOLD = 64 * 1024
+MAX_MESSAGE_BYTES = 1 << 30
+MAX_NDIM = 16
+MAX_TENSOR_BYTES = 1 << 44  # 16 TiB: far above any real tensor, far below int64 overflow
+MAX_DEPTH = 32
+
+_RESERVED = frozenset({"v", "type", "id"})
+_NP_DTYPES = {"float16": "<f2", "float32": "<f4", "float64": "<f8", "int8": "i1", "int16": "<i2",
+              "int32": "<i4", "int64": "<i8", "uint8": "u1", "bool": "?"}
+_ITEMSIZE = {name: np.dtype(code).itemsize for name, code in _NP_DTYPES.items()}
+_ITEMSIZE["bfloat16"] = 2
+_NP_NAMES = {np.dtype(code): name for name, code in _NP_DTYPES.items()}
+_FLOAT_NAMES = frozenset({"float16", "float32", "float64", "bfloat16"})
+_SHM_KEYS = frozenset({"segment", "offset", "nbytes", "dtype", "shape"})
+_CUDA_INT_KEYS = ("offset", "device", "storage_size_bytes", "storage_offset_bytes", "ref_counter_offset")
+_CUDA_KEYS = frozenset(_CUDA_INT_KEYS) | {"size", "stride", "dtype", "handle", "requires_grad",
+                                          "ref_counter_handle", "event_handle", "event_sync_required"}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class Allocator(Protocol):
+    """Where the encoder puts large CPU tensors (``runtime.shm.ShmArena``)."""
+
+    def place(self, nbytes: int) -> tuple[str, int, memoryview]: ...
+
+
+class Mapper(Protocol):
+    """How the decoder reaches them (``runtime.shm.ShmMapper``); raises ProtocolError."""
+
+    def view(self, segment: str, offset: int, nbytes: int) -> memoryview: ...
+
+
+@dataclass(frozen=True)
+class TensorEncoder:
+    """How tensors are encoded: ``allocator=None`` sends every CPU tensor inline.
+
+    ``cuda_ipc=False`` copies CUDA tensors to the CPU first (for a peer on
+    another host, or one without the sender's GPU).
+    """
+
+    allocator: Allocator | None = None
+    inline_threshold: int = DEFAULT_INLINE_THRESHOLD
+    cuda_ipc: bool = True
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.inline_threshold) or self.inline_threshold < 0:
+            raise ValueError(f"inline_threshold must be an int >= 0, got {self.inline_threshold!r}")
+
+
+@dataclass(frozen=True)
+class TensorDecoder:
+    """How tensors are decoded.
+
+    ``mapper=None`` rejects shared-memory references; ``allow_cuda_ipc`` is an
+    opt-in because opening a CUDA IPC handle trusts the peer to be a local rank.
+    """
+
+    mapper: Mapper | None = None
+    tensor_type: str = "torch"
+    allow_cuda_ipc: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tensor_type not in ("torch", "numpy"):
+            raise ValueError(f'tensor_type must be "torch" or "numpy", got {self.tensor_type!r}')
+
+
+_DEFAULT_ENCODER = TensorEncoder()
+_DEFAULT_DECODER = TensorDecoder()
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def pack_message(
+    type: str, id: int | str, /, *, tensor_encoder: TensorEncoder | None = None, **fields: Any
+) -> bytes:
+    """Encode one message. No field may be named ``v``, ``type``, ``id`` or ``tensor_encoder``.
+
+    If encoding fails after some tensors were placed, those blocks are given
+    back through ``allocator.free(segment, offset)`` when the allocator has it.
+    """
+    if not isinstance(type, str) or not type:
+        raise TypeError(f"message type must be a non-empty str, got {type!r}")
+    if not (_is_int(id) or isinstance(id, str)):
+        raise TypeError(f"message id must be an int or a str, got {id!r}")
+    clash = _RESERVED & fields.keys()
+    if clash:
+        raise ValueError(f"field names {sorted(clash)} are reserved for the message header")
+    encoder = tensor_encoder or _DEFAULT_ENCODER
+    placed: list[tuple[str, int]] = []
+    try:
+        body: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": type, "id": id}
+        for key, value in fields.items():
+            body[key] = _encode(value, encoder, placed, 1, key)
+        return msgpack.packb(body, use_bin_type=True)
+    except BaseException:
+        # the blocks of a message that was never sent would otherwise leak
+        free = getattr(encoder.allocator, "free", None)
+        if free is not None:
+            for segment, offset in placed:
+                free(segment, offset)
+        raise
+
+
+def _encode(obj: Any, enc: TensorEncoder, placed: list, depth: int, path: str) -> Any:
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+        return obj
+    if depth > MAX_DEPTH:
+        raise ValueError(f"{path}: nested deeper than {MAX_DEPTH} levels")
+    if isinstance(obj, dict):
+        out = {}
+        for key, value in obj.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{path}: map keys must be str, got {key!r}")
+            out[key] = _encode(value, enc, placed, depth + 1, f"{path}.{key}")
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [_encode(v, enc, placed, depth + 1, f"{path}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, np.ndarray):
+        return _encode_numpy(obj, enc, placed, path)
+    torch = sys.modules.get("torch")  # a torch tensor implies torch is imported
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return _encode_torch(obj, enc, placed, path, torch)
+    if isinstance(obj, (np.bool_, np.integer, np.floating)):
+        return obj.item()
+    if isinstance(obj, (bytearray, memoryview)):
+        return bytes(obj)
+    raise TypeError(f"{path}: cannot encode {type(obj).__name__}")
+
+
+def _encode_numpy(arr: np.ndarray, enc: TensorEncoder, placed: list, path: str) -> msgpack.ExtType:
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    name = _NP_NAMES.get(arr.dtype)
+    if name is None:
+        raise TypeError(f"{path}: dtype {arr.dtype} is not allowed on the wire")
+
+    def write_into(dst: memoryview) -> None:
+        np.frombuffer(dst, dtype=arr.dtype).reshape(arr.shape)[...] = arr
+
+    return _tensor_ext(name, arr.shape, arr.nbytes, write_into,
+                       lambda: np.ascontiguousarray(arr).tobytes(), enc, placed)
+
+
+def _encode_torch(t: Any, enc: TensorEncoder, placed: list, path: str, torch: Any) -> msgpack.ExtType:
+    t = t.detach()
+    if t.layout != torch.strided or t.is_quantized or t.is_nested:
+        raise TypeError(f"{path}: only dense strided tensors can be encoded, got {t.layout}")
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in _ITEMSIZE:
+        raise TypeError(f"{path}: dtype {t.dtype} is not allowed on the wire")
+    if t.device.type == "cuda" and enc.cuda_ipc:
+        return _encode_cuda(t, name, torch)
+    if t.device.type != "cpu":
+        t = t.cpu()
+
+    def write_into(dst: memoryview) -> None:
+        # copy_ from a strided source: a non-contiguous input costs one copy, not two
+        torch.frombuffer(dst, dtype=t.dtype, count=t.numel()).view(t.shape).copy_(t)
+
+    def to_bytes() -> bytes:
+        return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+    return _tensor_ext(name, tuple(t.shape), t.numel() * t.element_size(), write_into, to_bytes, enc, placed)
+
+
+def _tensor_ext(name, shape, nbytes, write_into, to_bytes, enc, placed) -> msgpack.ExtType:
+    if enc.allocator is None or nbytes == 0 or nbytes < enc.inline_threshold:
+        return msgpack.ExtType(EXT_INLINE, msgpack.packb([name, list(shape), to_bytes()], use_bin_type=True))
+    segment, offset, view = enc.allocator.place(nbytes)
+    placed.append((segment, offset))
+    if len(view) < nbytes:
+        raise ValueError(f"allocator returned {len(view)} bytes for a request of {nbytes}")
+    write_into(view[:nbytes])
+    ref = {"segment": segment, "offset": offset, "nbytes": nbytes, "dtype": name, "shape": list(shape)}
+    return msgpack.ExtType(EXT_SHM, msgpack.packb(ref, use_bin_type=True))
+
+
+def _encode_cuda(t: Any, name: str, torch: Any) -> msgpack.ExtType:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+    rebuild, args = reduce_tensor(t)
+    if rebuild is not rebuild_cuda_tensor:
+        raise TypeError(f"torch reduced this CUDA tensor with {rebuild.__name__}, not CUDA IPC")
+    # the argument order of rebuild_cuda_tensor in torch 2.x; classes are implied
+    (_, size, stride, offset, _, _, device, handle, storage_size, storage_offset,
+     requires_grad, rc_handle, rc_offset, event_handle, event_sync) = args
+    desc = {
+        "size": list(size), "stride": list(stride), "offset": offset, "dtype": name,
+        "device": device, "handle": handle, "storage_size_bytes": storage_size,
+        "storage_offset_bytes": storage_offset, "requires_grad": requires_grad,
+        "ref_counter_handle": rc_handle, "ref_counter_offset": rc_offset,
+        "event_handle": event_handle, "event_sync_required": event_sync,
+    }
+    return msgpack.ExtType(EXT_CUDA_IPC, msgpack.packb(desc, use_bin_type=True))
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def unpack_message(
+    data: bytes | bytearray | memoryview, *, expected_types: set[str] | frozenset[str] | None = None,
+    tensor_decoder: TensorDecoder | None = None, max_bytes: int = MAX_MESSAGE_BYTES,
+) -> dict[str, Any]:
+    """Decode and validate one frame; raise ProtocolError on anything wrong."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"a message must be bytes, got {type(data).__name__}")
+    n = memoryview(data).nbytes
+    if n > max_bytes:
+        raise ProtocolError(f"message of {n} bytes exceeds the limit of {max_bytes}")
+    decoder = tensor_decoder or _DEFAULT_DECODER
+    try:
+        msg = _unpackb(data, n, lambda code, payload: _decode_ext(code, payload, decoder))
+    except ProtocolError:
+        raise
+    except Exception as exc:  # untrusted input: any failure to decode is a protocol failure
+        raise ProtocolError(f"malformed message: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"a message must be a msgpack map, got {type(msg).__name__}")
+    missing = _RESERVED - msg.keys()
+    if missing:
+        raise ProtocolError(f"message lacks the header keys {sorted(missing)}")
+    version = msg["v"]
+    if not _is_int(version) or version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r} is not {PROTOCOL_VERSION}, the one this side speaks")
+    kind = msg["type"]
+    if not isinstance(kind, str) or not kind:
+        raise ProtocolError(f"message type must be a non-empty str, got {kind!r}")
+    if expected_types is not None and kind not in expected_types:
+        raise ProtocolError(f"unexpected message type {kind!r}; expected one of {sorted(expected_types)}")
+    if not (_is_int(msg["id"]) or isinstance(msg["id"], str)):
+        raise ProtocolError(f"message id must be an int or a str, got {msg['id']!r}")
+    return msg
+
+
+def _unpackb(data: Any, n: int, ext_hook: Any) -> Any:
+    # unpackb on one whole frame; every length bounded by the frame so that a
+    # forged header cannot make msgpack allocate more than the frame's size
+    return msgpack.unpackb(
+        data, raw=False, use_list=True, strict_map_key=True,
+        object_pairs_hook=_str_map, ext_hook=ext_hook,
+        max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n, max_ext_len=n,
+    )
+
+
+def _str_map(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ProtocolError("a map has duplicate keys")
+    for key in out:
+        if not isinstance(key, str):  # strict_map_key still admits bytes keys
+            raise ProtocolError(f"map keys must be str, got {key!r}")
+    return out
+
+
+def _no_ext(code: int, payload: bytes) -> Any:
+    raise ProtocolError(f"extension type {code} is not allowed inside a tensor descriptor")
+
+
+def _decode_ext(code: int, payload: bytes, dec: TensorDecoder) -> Any:
+    decode = {EXT_INLINE: _decode_inline, EXT_SHM: _decode_shm, EXT_CUDA_IPC: _decode_cuda}.get(code)
+    if decode is None:
+        raise ProtocolError(f"unknown extension type {code}")
+    return decode(_unpackb(payload, len(payload), _no_ext), dec)
+
+
+def _check_dtype(name: Any) -> str:
+    if not isinstance(name, str) or name not in _ITEMSIZE:
+        raise ProtocolError(f"tensor dtype {name!r} is not allowed; allowed: {sorted(_ITEMSIZE)}")
+    return name
+
+
+def _check_dims(dims: Any, what: str, ndim: int | None = None) -> list[int]:
+    if not isinstance(dims, list) or len(dims) > MAX_NDIM:
+        raise ProtocolError(f"tensor {what} must be a list of at most {MAX_NDIM} ints, got {dims!r}")
+    if ndim is not None and len(dims) != ndim:
+        raise ProtocolError(f"tensor {what} has {len(dims)} entries for {ndim} dimensions")
+    for d in dims:
+        if not _is_int(d) or d < 0 or d > MAX_TENSOR_BYTES:
+            raise ProtocolError(f"tensor {what} entries must be ints in [0, 2**44], got {dims!r}")
+    return dims
+
+
+def _check_nbytes(name: str, shape: list[int], nbytes: int) -> None:
+    expected = math.prod(shape) * _ITEMSIZE[name]
+    if expected != nbytes or nbytes > MAX_TENSOR_BYTES:
+        raise ProtocolError(f"tensor of shape {shape} and dtype {name} needs {expected} bytes, got {nbytes}")
+
+
+def _check_fields(body: Any, keys: frozenset[str], what: str) -> dict[str, Any]:
+    if not isinstance(body, dict) or body.keys() != keys:
+        got = sorted(body) if isinstance(body, dict) else type(body).__name__
+        raise ProtocolError(f"{what} descriptor must have exactly the keys {sorted(keys)}, got {got}")
+    return body
+
+
+def _decode_inline(body: Any, dec: TensorDecoder) -> Any:
+    if not isinstance(body, list) or len(body) != 3:
+        raise ProtocolError("an inline tensor must be [dtype, shape, bytes]")
+    name, shape, raw = _check_dtype(body[0]), _check_dims(body[1], "shape"), body[2]
+    if not isinstance(raw, bytes):
+        raise ProtocolError(f"inline tensor data must be bytes, got {type(raw).__name__}")
+    _check_nbytes(name, shape, len(raw))
+    return _build(bytearray(raw), name, shape, dec)  # bytearray: writable, owned
+
+
+def _decode_shm(body: Any, dec: TensorDecoder) -> Any:
+    ref = _check_fields(body, _SHM_KEYS, "shared-memory")
+    name, shape = _check_dtype(ref["dtype"]), _check_dims(ref["shape"], "shape")
+    segment, offset, nbytes = ref["segment"], ref["offset"], ref["nbytes"]
+    if not isinstance(segment, str):
+        raise ProtocolError(f"segment must be a str, got {segment!r}")
+    if not _is_int(offset) or not _is_int(nbytes) or offset < 0 or nbytes < 0:
+        raise ProtocolError(f"offset and nbytes must be ints >= 0, got {offset!r}, {nbytes!r}")
+    _check_nbytes(name, shape, nbytes)
+    if offset % _ITEMSIZE[name]:
+        raise ProtocolError(f"offset {offset} is not aligned to the {name} element size")
+    if dec.mapper is None:
+        raise ProtocolError("a shared-memory tensor arrived but this decoder has no mapper")
+    view = dec.mapper.view(segment, offset, nbytes)
+    if len(view) != nbytes:
+        raise ProtocolError(f"mapper returned {len(view)} bytes for {segment}+{offset}, expected {nbytes}")
+    return _build(view, name, shape, dec)
+
+
+def _build(buf: Any, name: str, shape: list[int], dec: TensorDecoder) -> Any:
+    count = math.prod(shape)
+    if name == "bool" and count and np.frombuffer(buf, dtype=np.uint8).max() > 1:
+        raise ProtocolError("bool tensor holds bytes other than 0 and 1")
+    if dec.tensor_type == "numpy":
+        if name == "bfloat16":
+            raise ProtocolError("bfloat16 has no numpy dtype; decode with tensor_type='torch'")
+        return np.frombuffer(buf, dtype=_NP_DTYPES[name], count=count).reshape(shape)
+    import torch
+
+    dtype = getattr(torch, name)
+    if count == 0:  # torch.frombuffer rejects empty buffers
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype, count=count).reshape(shape)
+
+
+def _decode_cuda(body: Any, dec: TensorDecoder) -> Any:
+    d = _check_fields(body, _CUDA_KEYS, "CUDA IPC")
+    name = _check_dtype(d["dtype"])
+    size = _check_dims(d["size"], "size")
+    stride = _check_dims(d["stride"], "stride", len(size))
+    for key in _CUDA_INT_KEYS:
+        if not _is_int(d[key]) or not 0 <= d[key] <= MAX_TENSOR_BYTES:
+            raise ProtocolError(f"CUDA IPC field {key!r} must be an int in [0, 2**44], got {d[key]!r}")
+    for key in ("requires_grad", "event_sync_required"):
+        if not isinstance(d[key], bool):
+            raise ProtocolError(f"CUDA IPC field {key!r} must be a bool, got {d[key]!r}")
+    for key, optional in (("handle", True), ("ref_counter_handle", False), ("event_handle", True)):
+        if not (isinstance(d[key], bytes) or (optional and d[key] is None)):
+            raise ProtocolError(f"CUDA IPC field {key!r} must be bytes, got {type(d[key]).__name__}")
+    if d["requires_grad"] and name not in _FLOAT_NAMES:
+        raise ProtocolError(f"requires_grad is set on a {name} tensor")
+    # rebuild_cuda_tensor maps no storage when the handle is None or the size 0
+    storage = 0 if d["handle"] is None else d["storage_size_bytes"]
+    if math.prod(size):
+        last = d["offset"] + sum((n - 1) * s for n, s in zip(size, stride))
+        if (last + 1) * _ITEMSIZE[name] > storage:
+            raise ProtocolError(f"CUDA tensor view reaches past its storage of {storage} bytes")
+    if not dec.allow_cuda_ipc:
+        raise ProtocolError("a CUDA IPC tensor arrived but this decoder does not allow CUDA IPC")
+    if dec.tensor_type != "torch":
+        raise ProtocolError("a CUDA IPC tensor can only be decoded with tensor_type='torch'")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ProtocolError("a CUDA IPC tensor arrived but CUDA is not available in this process")
+    if d["device"] >= torch.cuda.device_count():
+        raise ProtocolError(f"CUDA IPC tensor on device {d['device']}, beyond this process's devices")
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    try:
+        return rebuild_cuda_tensor(
+            torch.Tensor, torch.Size(size), tuple(stride), d["offset"], torch.storage.TypedStorage,
+            getattr(torch, name), d["device"], d["handle"], d["storage_size_bytes"],
+            d["storage_offset_bytes"], d["requires_grad"], d["ref_counter_handle"],
+            d["ref_counter_offset"], d["event_handle"], d["event_sync_required"],
+        )
+    except RuntimeError as exc:
+        raise ProtocolError(f"could not open the CUDA IPC handle: {exc}") from exc

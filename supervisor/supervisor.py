@@ -1,0 +1,539 @@
+"""WorkerSupervisor: spawns the ranks of every local replica and watches them.
+
+    caller threads                    I/O thread (owns every socket)              rank processes
+    submit(replica, request) --+
+      encode (tensors -> shm)  |  inproc PUSH --> PULL --+
+      register pending future  |                        poll: ROUTER, PULL, sentinels,
+                               |                        heartbeat and request deadlines
+                               +--------------------------> ROUTER --"request"--> every rank
+    Future.set_result  <---------------------------------- ROUTER <--"done"----- every rank
+                                                          ROUTER <--"hb"------- heartbeat threads
+
+Invariants:
+- Every socket belongs to the I/O thread; callers reach it through the inproc
+  socket (guarded by a lock) and never touch the ROUTER.
+- A request is registered as pending before it is handed to the I/O thread, so
+  its "done" can never arrive first. Its clock starts at submission.
+- Any failure of a group (a rank exited, no heartbeat, a malformed message, a
+  plugin exception, an execution timeout) fails the whole group exactly once:
+  its executor leaves the rotation, its ranks get SIGTERM then SIGKILL, and every
+  pending future gets ``EngineUnavailableError`` naming the rank and the cause.
+- Shared memory: each replica's requests go through an arena this process owns;
+  each rank answers through its own arena. A segment's name is unlinked as soon
+  as every process that needs it has mapped it, and stale names of dead runs are
+  swept at start, so even ``kill -9`` of the whole tree leaves /dev/shm clean.
+- Results that arrived through shared memory are views: the rank's block is
+  freed when the last tensor viewing it is garbage-collected.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+import weakref
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgpack
+import numpy as np
+import zmq
+
+from runtime import wire
+from runtime.config import EngineArgs, WorkerSupervisorConfig, dtype_name
+from runtime.errors import EngineUnavailableError, ProtocolError, RemoteError, WorkerStartupError
+from runtime.shm import ShmArena, ShmMapper, new_run_id, sweep_stale
+
+log = logging.getLogger("phyrt.supervisor")
+
+#: a rank that does not exit this long after SIGTERM gets SIGKILL
+TERM_GRACE_S = 2.0
+#: request and result arenas start this large (pre-faulted) and grow on demand
+ARENA_BYTES = 8 << 20
+_WORKER_TYPES = frozenset({"ready", "startup_error", "done"})
+
+
+@dataclass
+class _Rank:
+    replica: int
+    rank: int
+    device: int
+    process: Any
+    last_beat: float | None = None  # None until the first beat: startup_timeout_s covers that
+    ready: bool = False
+    exit_reported: bool = False
+
+
+@dataclass
+class _Pending:
+    future: Future
+    deadline: float | None
+    ranks_done: set[int] = field(default_factory=set)
+    segments: set[str] = field(default_factory=set)
+    blocks: list[tuple[str, int]] = field(default_factory=list)
+
+
+@dataclass
+class _Group:
+    index: int
+    ranks: list[_Rank]
+    arena: ShmArena
+    arena_lock: threading.Lock = field(default_factory=threading.Lock)
+    pending: dict[int, _Pending] = field(default_factory=dict)
+    failed: str | None = None
+    frees: collections.deque = field(default_factory=collections.deque)
+
+
+class _LockedArena:
+    """The allocator wire.pack_message sees: thread-safe, and remembers what it placed."""
+
+    def __init__(self, group: _Group) -> None:
+        self._group = group
+        self.placed: list[tuple[str, int]] = []
+
+    def place(self, nbytes: int) -> tuple[str, int, memoryview]:
+        with self._group.arena_lock:
+            segment, offset, view = self._group.arena.place(nbytes)
+        self.placed.append((segment, offset))
+        return segment, offset, view
+
+    def free(self, segment: str, offset: int) -> None:
+        with self._group.arena_lock:
+            self._group.arena.free(segment, offset)
+
+
+class _ResultMapper:
+    """Maps a rank's result segments; a decoded view frees its block when collected."""
+
+    def __init__(self, mapper: ShmMapper, group: _Group, rank: int) -> None:
+        self._mapper, self._group, self._rank = mapper, group, rank
+
+    def view(self, segment: str, offset: int, nbytes: int) -> memoryview:
+        view = self._mapper.view(segment, offset, nbytes)
+        holder = np.frombuffer(view, dtype=np.uint8)  # weak-referenceable owner of the view
+        weakref.finalize(holder, self._group.frees.append, (self._rank, segment, offset))
+        return memoryview(holder)
+
+
+class WorkerSupervisor:
+    """Owns the rank processes, the run directory, the sockets and the arenas."""
+
+    def __init__(self, args: EngineArgs, plugin_spec: str, placement: list[tuple[int, ...]],
+                 config: WorkerSupervisorConfig, target: str,
+                 on_group_failed: Callable[[int, str], None]) -> None:
+        self.config = config
+        self._args = args
+        self._on_group_failed = on_group_failed
+        self._ids = itertools.count()
+        self._closed = False
+        self._submit_lock = threading.Lock()
+        self._startup = threading.Event()
+        self._startup_error: BaseException | None = None
+        sweep_stale()  # segments of runs whose processes were all killed
+        self.run_id = new_run_id()
+        self.run_dir = tempfile.mkdtemp(prefix=f"phyrt-{self.run_id}-")  # mode 0700
+        self.address = f"ipc://{self.run_dir}/ctl"
+        self._mapper = ShmMapper(self.run_id)
+        self._unlinked: set[str] = set()  # result segments whose names are already gone
+        self._ctx = zmq.Context(1)
+        self._groups: list[_Group] = []
+        success = False
+        try:
+            self._router = self._ctx.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.LINGER, 0)
+            self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self._router.bind(self.address)
+            self._pull = self._ctx.socket(zmq.PULL)
+            self._pull.setsockopt(zmq.LINGER, 0)
+            self._pull.bind(f"inproc://phyrt-{self.run_id}")
+            self._push = self._ctx.socket(zmq.PUSH)
+            self._push.setsockopt(zmq.LINGER, 0)
+            self._push.connect(f"inproc://phyrt-{self.run_id}")
+            self._spawn(plugin_spec, placement, target)
+            self._thread = threading.Thread(target=self._io_loop, name="phyrt-supervisor", daemon=True)
+            self._thread.start()
+            self._wait_ready()
+            success = True
+        finally:
+            if not success:
+                self.close()
+
+    # -- start ---------------------------------------------------------------------
+
+    def _spawn(self, plugin_spec: str, placement: list[tuple[int, ...]], target: str) -> None:
+        # CUDA tensors cross as CUDA-IPC handles; only ranks we spawned are trusted to send them
+        self._cuda = target == "cuda"
+        ranks_per_replica = len(placement[0])
+        if ranks_per_replica > 1:
+            for i in range(len(placement)):
+                _check_port_free(self.config.base_port + i, i)
+        total = sum(len(p) for p in placement)
+        threads = max(1, (os.cpu_count() or 1) // total)
+        device_cfg = self._args.config.device
+        mp = multiprocessing.get_context("spawn")
+        from workers.main import main as worker_main
+
+        for replica, devices in enumerate(placement):
+            arena = ShmArena(self.run_id, ARENA_BYTES)
+            group = _Group(replica, [], arena)
+            self._groups.append(group)
+            for rank, device in enumerate(devices):
+                boot = msgpack.packb({
+                    "run_id": self.run_id, "address": self.address, "replica": replica, "rank": rank,
+                    "world_size": ranks_per_replica, "device": device, "target": target,
+                    "params_dtype": dtype_name(device_cfg.params_dtype),
+                    "parallel": self._args.config.parallel.to_dict(), "plugin": plugin_spec,
+                    "plugin_args": self._args.plugin_args, "port": self.config.base_port + replica,
+                    "threads": threads, "heartbeat_interval_s": self.config.heartbeat_interval_s,
+                    "startup_timeout_s": self.config.startup_timeout_s, "arena_bytes": ARENA_BYTES,
+                    "premap": arena.segments,
+                }, use_bin_type=True)
+                process = mp.Process(target=worker_main, args=(boot,), name=f"phyrt-r{replica}-{rank}",
+                                     daemon=True)
+                process.start()
+                group.ranks.append(_Rank(replica, rank, device, process))
+
+    def _wait_ready(self) -> None:
+        if not self._startup.wait(self.config.startup_timeout_s + 5.0):
+            raise WorkerStartupError("the supervisor's I/O thread did not finish the start")
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    # -- submission (caller threads) -----------------------------------------------
+
+    def submit(self, replica: int, request: Any, future: Future) -> None:
+        group = self._groups[replica]
+        if group.failed is not None:
+            raise EngineUnavailableError(f"replica {replica} is not serving: {group.failed}")
+        request_id = next(self._ids)
+        allocator = _LockedArena(group)
+        payload = wire.pack_message("request", request_id, payload=request,
+                                    tensor_encoder=wire.TensorEncoder(allocator=allocator))
+        timeout = self.config.execution_timeout_s
+        pending = _Pending(future, None if timeout is None else time.monotonic() + timeout,
+                           segments={s for s, _ in allocator.placed}, blocks=allocator.placed)
+        with self._submit_lock:
+            if self._closed:
+                allocator_free(allocator)
+                raise EngineUnavailableError("the engine is closed")
+            group.pending[request_id] = pending
+            self._push.send_multipart([b"req", replica.to_bytes(2, "little"), payload], copy=False)
+
+    # -- the I/O thread ------------------------------------------------------------
+
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._pull, zmq.POLLIN)
+        sentinels: dict[int, _Rank] = {}
+        for group in self._groups:
+            for r in group.ranks:
+                sentinels[r.process.sentinel] = r
+                poller.register(r.process.sentinel, zmq.POLLIN)
+        started = time.monotonic()
+        try:
+            while True:
+                timeout_ms = self._next_timeout_ms()
+                events = dict(poller.poll(timeout_ms))
+                if self._router in events:
+                    self._drain_router()
+                if self._pull in events and not self._drain_inbox():
+                    return
+                for fd in [fd for fd in events if fd in sentinels]:
+                    r = sentinels.pop(fd)
+                    poller.unregister(fd)
+                    self._rank_exited(r)
+                self._check_deadlines(started)
+                self._send_frees()
+        except BaseException as exc:  # a bug here must not leave callers waiting forever
+            log.exception("supervisor I/O thread failed")
+            for group in self._groups:
+                self._fail_group(group, f"the supervisor's I/O thread failed: {exc!r}")
+            self._finish_startup(WorkerStartupError(f"the supervisor's I/O thread failed: {exc!r}"))
+
+    def _next_timeout_ms(self) -> int:
+        waits = [self.config.heartbeat_interval_s]
+        now = time.monotonic()
+        for group in self._groups:
+            if group.failed is None:
+                waits.extend(p.deadline - now for p in group.pending.values() if p.deadline is not None)
+        return max(0, int(min(waits) * 1000) + 1)
+
+    def _drain_router(self) -> None:
+        while True:
+            try:
+                identity, payload = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except ValueError:  # not two frames: cannot be one of our ranks' messages
+                continue
+            kind, replica, rank = _parse_identity(identity.bytes)
+            if replica is None or replica >= len(self._groups) or rank >= len(self._groups[replica].ranks):
+                log.warning("message from an unknown peer %r dropped", identity.bytes)
+                continue
+            group = self._groups[replica]
+            r = group.ranks[rank]
+            r.last_beat = time.monotonic()
+            if kind == "h" or group.failed is not None:
+                continue
+            try:
+                msg = wire.unpack_message(payload.buffer, expected_types=_WORKER_TYPES,
+                                          tensor_decoder=wire.TensorDecoder(
+                                              mapper=_ResultMapper(self._mapper, group, rank),
+                                              allow_cuda_ipc=self._cuda))
+                self._handle(group, r, msg)
+            except ProtocolError as exc:
+                self._fail_group(group, f"rank {rank} sent a malformed message: {exc}", exc)
+            self._unlink_mapped()
+
+    def _handle(self, group: _Group, r: _Rank, msg: dict[str, Any]) -> None:
+        kind = msg["type"]
+        if kind == "ready":
+            for segment in msg.get("segments") or []:
+                self._mapper.view(segment, 0, 0)  # map now, so that the name can go at once
+            self._unlink_mapped()
+            r.ready = True
+            if all(x.ready for g in self._groups for x in g.ranks):
+                for g in self._groups:
+                    with g.arena_lock:
+                        g.arena.unlink_all()  # every rank mapped the first segment at start
+                self._finish_startup(None)
+        elif kind == "startup_error":
+            cause = RemoteError(str(msg.get("error_type")), str(msg.get("message")), str(msg.get("traceback", "")))
+            reason = f"rank {r.rank} failed to start: {cause.remote_type}: {cause.remote_message}"
+            self._fail_group(group, reason, cause)
+        elif kind == "done":
+            self._request_done(group, r, msg)
+
+    def _request_done(self, group: _Group, r: _Rank, msg: dict[str, Any]) -> None:
+        pending = group.pending.get(msg["id"])
+        if pending is None:
+            raise ProtocolError(f"answer to unknown request {msg['id']!r}")
+        if not msg.get("ok"):
+            cause = RemoteError(str(msg.get("error_type")), str(msg.get("message")), str(msg.get("traceback", "")))
+            self._fail_group(group, f"rank {r.rank} raised {cause.remote_type}: {cause.remote_message} "
+                                    f"(request {msg['id']})", cause)
+            return
+        if r.rank == 0:
+            _resolve(pending.future, result=msg.get("result"))
+        pending.ranks_done.add(r.rank)
+        if len(pending.ranks_done) == len(group.ranks):
+            del group.pending[msg["id"]]
+            with group.arena_lock:
+                for segment, offset in pending.blocks:
+                    group.arena.free(segment, offset)
+                for segment in pending.segments & set(group.arena.segments):
+                    group.arena.unlink(segment)  # every rank has mapped it by now
+
+    def _drain_inbox(self) -> bool:
+        """Forward submitted requests to their ranks; False when asked to close."""
+        while True:
+            try:
+                frames = self._pull.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return True
+            if frames[0].bytes == b"close":
+                return False
+            group = self._groups[int.from_bytes(frames[1].bytes, "little")]
+            if group.failed is not None:
+                continue  # its futures were failed with the group
+            for r in group.ranks:
+                try:
+                    self._router.send_multipart([f"c-{group.index}-{r.rank}".encode(), frames[2]], copy=False)
+                except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the rank's socket is gone
+                    self._fail_group(group, f"rank {r.rank} cannot be reached: {exc}", exc)
+                    break
+
+    def _rank_exited(self, r: _Rank) -> None:
+        group = self._groups[r.replica]
+        if group.failed is None:
+            self._fail_group(group, f"rank {r.rank} {_describe_exit(r.process)}")
+
+    def _check_deadlines(self, started: float) -> None:
+        now = time.monotonic()
+        hb_timeout = self.config.heartbeat_timeout_s
+        for group in self._groups:
+            if group.failed is not None:
+                continue
+            for r in group.ranks:
+                if r.last_beat is not None and now - r.last_beat > hb_timeout:
+                    self._fail_group(group, f"rank {r.rank} sent no heartbeat for {now - r.last_beat:.1f} s "
+                                            f"(heartbeat_timeout_s={hb_timeout})")
+                    break
+            if group.failed is not None:
+                continue
+            for request_id, p in group.pending.items():
+                if p.deadline is not None and now > p.deadline:
+                    self._fail_group(group, f"execution timeout {self.config.execution_timeout_s} s after "
+                                            f"submission (request {request_id})")
+                    break
+        if not self._startup.is_set() and now - started > self.config.startup_timeout_s:
+            slow = [f"replica {g.index} rank {r.rank}" for g in self._groups for r in g.ranks if not r.ready]
+            self._finish_startup(WorkerStartupError(
+                f"not ready within startup_timeout_s={self.config.startup_timeout_s}: {', '.join(slow)}"))
+
+    def _send_frees(self) -> None:
+        for group in self._groups:
+            blocks: dict[int, list] = collections.defaultdict(list)
+            while group.frees:
+                rank, segment, offset = group.frees.popleft()
+                blocks[rank].append([segment, offset])
+            if group.failed is not None:
+                continue
+            for rank, items in blocks.items():
+                try:
+                    self._router.send_multipart([f"c-{group.index}-{rank}".encode(),
+                                                 wire.pack_message("free", 0, blocks=items)])
+                except zmq.ZMQError:
+                    pass  # the rank is gone; its arena went with it
+
+    def _unlink_mapped(self) -> None:
+        for segment in self._mapper.segments:
+            if segment not in self._unlinked:
+                self._unlinked.add(segment)
+                try:
+                    os.unlink(os.path.join("/dev/shm", segment))
+                except FileNotFoundError:
+                    pass
+
+    # -- failure -------------------------------------------------------------------
+
+    def _fail_group(self, group: _Group, reason: str, cause: BaseException | None = None) -> None:
+        if group.failed is not None:
+            return
+        group.failed = reason
+        message = f"replica {group.index} failed: {reason}"
+        log.error(message)
+        self._on_group_failed(group.index, reason)
+        pending, group.pending = group.pending, {}
+        for p in pending.values():
+            error = EngineUnavailableError(message)
+            error.__cause__ = cause
+            _resolve(p.future, error=error)
+        threading.Thread(target=_stop_ranks, args=([r.process for r in group.ranks],),
+                         name=f"phyrt-reaper-{group.index}", daemon=True).start()
+        if not self._startup.is_set():
+            error = WorkerStartupError(f"replica {group.index} failed to start: {reason}")
+            error.__cause__ = cause
+            self._finish_startup(error)
+
+    def _finish_startup(self, error: BaseException | None) -> None:
+        if not self._startup.is_set():
+            self._startup_error = error
+            self._startup.set()
+
+    # -- shutdown ------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Fail pending requests, stop every rank, remove the run directory and segments."""
+        with self._submit_lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = getattr(self, "_thread", None)
+            if thread is not None and thread.is_alive():
+                self._push.send(b"close")
+        if thread is not None:
+            thread.join(10)
+        for group in self._groups:
+            pending, group.pending = group.pending, {}
+            for p in pending.values():
+                _resolve(p.future, error=EngineUnavailableError("the engine is closed"))
+            if group.failed is None:
+                group.failed = "the engine is closed"
+                for r in group.ranks:
+                    try:
+                        self._router.send_multipart([f"c-{group.index}-{r.rank}".encode(),
+                                                     wire.pack_message("shutdown", 0)])
+                    except zmq.ZMQError:
+                        pass
+        _stop_ranks([r.process for g in self._groups for r in g.ranks], polite=True)
+        for group in self._groups:
+            group.arena.close()
+        self._mapper.close()
+        for sock in ("_router", "_pull", "_push"):
+            if hasattr(self, sock):
+                getattr(self, sock).close(0)
+        self._ctx.term()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        from runtime.shm import sweep_run
+
+        sweep_run(self.run_id)
+
+
+def allocator_free(allocator: _LockedArena) -> None:
+    for segment, offset in allocator.placed:
+        allocator.free(segment, offset)
+
+
+def _resolve(future: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Complete ``future`` unless something already did (never twice, never raising)."""
+    if future.done():
+        return
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except Exception:  # lost a race with a canceller or another completer
+        pass
+
+
+def _parse_identity(identity: bytes) -> tuple[str, int | None, int]:
+    try:
+        kind, replica, rank = identity.decode().split("-")
+        if kind in ("c", "h"):
+            return kind, int(replica), int(rank)
+    except (UnicodeDecodeError, ValueError):
+        pass
+    return "", None, 0
+
+
+def _describe_exit(process: Any) -> str:
+    process.join(0.1)
+    code = process.exitcode
+    if code is None:
+        return "stopped answering"
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _stop_ranks(processes: list[Any], polite: bool = False) -> None:
+    """SIGTERM (after a polite shutdown message, a moment to exit), then SIGKILL."""
+    deadline = time.monotonic() + (TERM_GRACE_S if polite else 0.0)
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + TERM_GRACE_S
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def _check_port_free(port: int, replica: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise ValueError(
+                f"rendezvous port {port} of replica {replica} (base_port + {replica}) is taken: {exc}; "
+                "set WorkerSupervisorConfig(base_port=...) to a free range"
+            ) from None
