@@ -152,11 +152,15 @@ class WorkerSupervisor:
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._router.bind(self.address)
+            # no high-water marks on the inproc pair: a caller holding _submit_lock must
+            # never block on a full queue while the I/O thread waits for that lock
             self._pull = self._ctx.socket(zmq.PULL)
             self._pull.setsockopt(zmq.LINGER, 0)
+            self._pull.setsockopt(zmq.RCVHWM, 0)
             self._pull.bind(f"inproc://phyrt-{self.run_id}")
             self._push = self._ctx.socket(zmq.PUSH)
             self._push.setsockopt(zmq.LINGER, 0)
+            self._push.setsockopt(zmq.SNDHWM, 0)
             self._push.connect(f"inproc://phyrt-{self.run_id}")
             self._spawn(plugin_spec, placement, target)
             self._thread = threading.Thread(target=self._io_loop, name="phyrt-supervisor", daemon=True)
@@ -222,9 +226,9 @@ class WorkerSupervisor:
         pending = _Pending(future, None if timeout is None else time.monotonic() + timeout,
                            segments={s for s, _ in allocator.placed}, blocks=allocator.placed)
         with self._submit_lock:
-            if self._closed:
+            if self._closed or group.failed is not None:
                 allocator_free(allocator)
-                raise EngineUnavailableError("the engine is closed")
+                raise EngineUnavailableError(f"replica {replica} is not serving: {group.failed or 'closed'}")
             group.pending[request_id] = pending
             self._push.send_multipart([b"req", replica.to_bytes(2, "little"), payload], copy=False)
 
@@ -265,7 +269,7 @@ class WorkerSupervisor:
         now = time.monotonic()
         for group in self._groups:
             if group.failed is None:
-                waits.extend(p.deadline - now for p in group.pending.values() if p.deadline is not None)
+                waits.extend(p.deadline - now for p in list(group.pending.values()) if p.deadline is not None)
         return max(0, int(min(waits) * 1000) + 1)
 
     def _drain_router(self) -> None:
@@ -371,7 +375,7 @@ class WorkerSupervisor:
                     break
             if group.failed is not None:
                 continue
-            for request_id, p in group.pending.items():
+            for request_id, p in list(group.pending.items()):
                 if p.deadline is not None and now > p.deadline:
                     self._fail_group(group, f"execution timeout {self.config.execution_timeout_s} s after "
                                             f"submission (request {request_id})")
@@ -408,13 +412,14 @@ class WorkerSupervisor:
     # -- failure -------------------------------------------------------------------
 
     def _fail_group(self, group: _Group, reason: str, cause: BaseException | None = None) -> None:
-        if group.failed is not None:
-            return
-        group.failed = reason
+        with self._submit_lock:  # so that no submit slips in between the flag and the swap
+            if group.failed is not None:
+                return
+            group.failed = reason
+            pending, group.pending = group.pending, {}
         message = f"replica {group.index} failed: {reason}"
         log.error(message)
         self._on_group_failed(group.index, reason)
-        pending, group.pending = group.pending, {}
         for p in pending.values():
             error = EngineUnavailableError(message)
             error.__cause__ = cause
