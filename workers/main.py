@@ -19,6 +19,12 @@ each request; the output rank's "done" carries the result. A plugin exception is
 reported as data and, because ranks that share collectives cannot resume
 mid-request, the supervisor then takes the group down.
 
+Executing runners stay in lock step by construction (same requests, same order,
+one at a time). A stepped runner admits whatever has arrived before each step,
+which may differ between ranks by a message, so a stepped plugin that runs
+collectives must agree on each step's batch itself (rank 0 decides and
+broadcasts it on ``P.cpu_group()``).
+
 The heartbeat thread has its own socket (ZMQ sockets are not thread-safe) and
 keeps beating while the main thread is inside a forward pass (torch releases the
 GIL). The death watch makes a rank exit within moments of its engine's SIGKILL.
