@@ -1,19 +1,12 @@
 """models.layers.linear: slicing, the Column -> Row pair over a real 2-rank gloo group, divisibility.
 
 The 2-rank run starts two copies of this file as rank processes (``python this_file
-RANK PORT OUT_DIR``); each writes its output as plain JSON for the test to compare.
+RANK WORLD PORT OUT_DIR``); each writes its output as plain JSON for the test to compare.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
-from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +16,7 @@ from torch.nn import functional as F
 from models.layers import ColumnParallelLinear, LinearBase, RowParallelLinear
 from runtime import parallel as P
 from runtime.config import DenseParallelConfig, ParallelConfig
+from tests.ranks import init_gloo, launch, rank_args
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -122,41 +116,9 @@ def test_loader_converts_dtype():
 # --------------------------------------------------------------------------- 2 real ranks
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(world: int, out: Path, timeout: float = 90.0) -> list:
-    port, procs = free_port(), []
-    try:
-        for rank in range(world):
-            with open(out / f"rank{rank}.log", "wb") as log:
-                cmd = [sys.executable, __file__, str(rank), str(world), str(port), str(out)]
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                          env=os.environ | {"OMP_NUM_THREADS": "1"}))
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-    failed = {r: (out / f"rank{r}.log").read_text()[-3000:] for r, p in enumerate(procs) if p.returncode}
-    if failed:
-        pytest.fail(f"ranks failed: {failed}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-
-
 def rank_main() -> None:
-    rank, world, port, out = *map(int, sys.argv[1:4]), Path(sys.argv[4])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
+    _, rank, world, port, out = rank_args()
+    init_gloo(rank, world, port)
     try:
         P.initialize(ParallelConfig(dense=DenseParallelConfig(tp_size=world)), rank)
         x = torch.randn(4, IN, generator=torch.Generator().manual_seed(3))
@@ -172,7 +134,7 @@ def rank_main() -> None:
 
 
 def test_two_ranks_column_row_equals_full_matmul(tmp_path):
-    results = launch(2, tmp_path)
+    results = launch(__file__, 2, tmp_path)
     x = torch.randn(4, IN, generator=torch.Generator().manual_seed(3))
     for bias in (True, False):
         want = reference(x, full_weights(bias))

@@ -8,13 +8,6 @@ plain data to ``OUT_DIR/rank{R}.json``. The test process asserts on those files.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
-from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,49 +21,15 @@ from runtime.config import (
     OuterParallelConfig,
     ParallelConfig,
 )
+from tests.ranks import init_gloo, launch, rank_args
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(script: str, scenario: str, world: int, out: Path, timeout: float = 90.0) -> list:
-    """Run ``world`` ranks of ``script``; return each rank's JSON result. Kills stragglers."""
-    port, procs = free_port(), []
-    try:
-        for rank in range(world):
-            with open(out / f"rank{rank}.log", "wb") as log:
-                cmd = [sys.executable, script, scenario, str(rank), str(world), str(port), str(out)]
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                              env=os.environ | {"OMP_NUM_THREADS": "1"}))
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-    failed = [r for r, p in enumerate(procs) if p.returncode != 0]
-    if failed:
-        text = "\n".join(f"--- rank {r} (rc {procs[r].returncode}) ---\n"
-                         + (out / f"rank{r}.log").read_text(errors="replace")[-3000:] for r in failed)
-        pytest.fail(f"ranks {failed} of {scenario!r} failed:\n{text}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-
-
 def rank_main(scenarios: dict) -> None:
     """Entry of a rank process: init the gloo world, run a scenario, write its result."""
-    scenario, rank, world, port, out = sys.argv[1], *map(int, sys.argv[2:5]), Path(sys.argv[5])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
+    (scenario,), rank, world, port, out = rank_args(1)
+    init_gloo(rank, world, port)
     try:
         result = scenarios[scenario](rank)
         dist.barrier()
@@ -183,7 +142,7 @@ def check(parallel: ParallelConfig, results: list) -> None:
 
 
 def test_two_ranks_dense_tp2(tmp_path):
-    results = launch(__file__, "two", 2, tmp_path)
+    results = launch(__file__, 2, tmp_path, args=["two"])
     check(config(dense=(2, None)), [r["seen"] for r in results])
     assert results[0]["seen"]["dense_tp"]["gather0"] == [0, 0, 1, 10]
     assert results[1]["seen"]["dense_tp"]["bcast_last"] == [1, 1]
@@ -197,7 +156,7 @@ def test_two_ranks_dense_tp2(tmp_path):
 
 
 def test_four_ranks_several_topologies(tmp_path):
-    results = launch(__file__, "four", 4, tmp_path)
+    results = launch(__file__, 4, tmp_path, args=["four"])
     for label, parallel in FOUR.items():
         check(parallel, [r[label] for r in results])
     cfg2 = [r["cfg2_tp2"] for r in results]

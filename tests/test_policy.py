@@ -7,13 +7,6 @@ RANK WORLD PORT OUT_DIR``) under dense tp 2; each writes its actions as JSON.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
-from datetime import timedelta
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +16,7 @@ import torch.distributed as dist
 from runtime import parallel as P
 from runtime.config import DenseParallelConfig, OuterParallelConfig, ParallelConfig
 from runtime.plugins import BuildContext, resolve_plugin
+from tests.ranks import init_gloo, launch, rank_args
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -134,41 +128,9 @@ def test_validate_parallel(entry):
 # --------------------------------------------------------------------------- 2 real ranks
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(world: int, out: Path, timeout: float = 90.0) -> list:
-    port, procs = free_port(), []
-    try:
-        for rank in range(world):
-            with open(out / f"rank{rank}.log", "wb") as log:
-                cmd = [sys.executable, __file__, str(rank), str(world), str(port), str(out)]
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                          env=os.environ | {"OMP_NUM_THREADS": "1"}))
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-    failed = {r: (out / f"rank{r}.log").read_text()[-3000:] for r, p in enumerate(procs) if p.returncode}
-    if failed:
-        pytest.fail(f"ranks failed: {failed}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-
-
 def rank_main() -> None:
-    rank, world, port, out = *map(int, sys.argv[1:4]), Path(sys.argv[4])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
+    _, rank, world, port, out = rank_args()
+    init_gloo(rank, world, port)
     parallel = ParallelConfig(dense=DenseParallelConfig(tp_size=world))
     try:
         P.initialize(parallel, rank)
@@ -182,7 +144,7 @@ def rank_main() -> None:
 
 def test_two_ranks_tp2_equal_tp1(tmp_path, entry):
     want = entry.build(context(), ARGS).execute({"obs": observations()})["actions"]
-    for actions in launch(2, tmp_path):
+    for actions in launch(__file__, 2, tmp_path):
         got = torch.tensor(actions)
         assert got.shape == want.shape
         assert torch.allclose(got, want, atol=1e-5, rtol=0)
