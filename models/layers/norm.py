@@ -1,0 +1,34 @@
+"""RMSNorm (Qwen3's: statistics in float32, the weight applied in the input dtype).
+
+``norm(x)`` returns the normalised x. ``norm(x, residual)`` is the pre-norm block's
+fused step: ``s = x + residual`` (in x's dtype, as transformers adds), returns
+``(norm(s), s)`` so the caller carries ``s`` as the next residual.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *,
+                 params_dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+        super().__init__()
+        self.eps = eps
+        kw = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
+        self.weight = nn.Parameter(torch.ones(hidden_size, **kw), requires_grad=False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
