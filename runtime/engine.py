@@ -74,11 +74,12 @@ class Engine:
             from runtime.multiprocess import MultiprocessExecutor
             from supervisor import WorkerSupervisor
 
-            try:
-                msgpack.packb(self.args.plugin_args, use_bin_type=True)
+            try:  # the ranks decode with string map keys only, as every phyrt message
+                msgpack.unpackb(msgpack.packb(self.args.plugin_args, use_bin_type=True), raw=False)
             except (TypeError, ValueError, OverflowError) as exc:
                 raise TypeError(
-                    "plugin_args must be plain data (dicts, lists, strings, numbers, bytes) to reach "
+                    "plugin_args must be plain data (dicts with string keys, lists, strings, numbers, "
+                    "bytes) to reach "
                     f"worker processes: {exc}") from None
             executors = [MultiprocessExecutor(i, devices) for i, devices in enumerate(placement)]
             supervisor = WorkerSupervisor(

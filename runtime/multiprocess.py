@@ -25,6 +25,9 @@ class MultiprocessExecutor(ReplicaExecutor):
         self._supervisor = supervisor
 
     def _submit(self, request: Any, future: Future) -> None:
+        # ranks start work as soon as it is sent and cannot take it back: from here the
+        # future is running, so cancel() answers False (only queued inline work cancels)
+        future.set_running_or_notify_cancel()
         self._supervisor.submit(self.index, request, future)
 
     def close(self, timeout: float | None = None) -> None:

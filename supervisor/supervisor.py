@@ -1,19 +1,24 @@
 """WorkerSupervisor: spawns the ranks of every local replica and watches them.
 
-    caller threads                    I/O thread (owns every socket)              rank processes
-    submit(replica, request) --+
-      encode (tensors -> shm)  |  inproc PUSH --> PULL --+
-      register pending future  |                        poll: ROUTER, PULL, sentinels,
-                               |                        heartbeat and request deadlines
-                               +--------------------------> ROUTER --"request"--> every rank
-    Future.set_result  <---------------------------------- ROUTER <--"done"----- every rank
-                                                          ROUTER <--"hb"------- heartbeat threads
+    caller threads                     I/O thread                                  rank processes
+    submit(replica, request)
+      encode (tensors -> shm)
+      under _submit_lock: register the pending future, then
+      send on each rank's inbox PUSH ------------------------------------------> PULL (every rank)
+                                       poll: ROUTER, inproc PULL (wake/close),
+                                       sentinels, heartbeat and request deadlines
+    Future.set_result  <-------------- ROUTER <--"done"----------------------- DEALER (every rank)
+                                       ROUTER <--"hb"------------------------- heartbeat threads
 
 Invariants:
-- Every socket belongs to the I/O thread; callers reach it through the inproc
-  socket (guarded by a lock) and never touch the ROUTER.
-- A request is registered as pending before it is handed to the I/O thread, so
-  its "done" can never arrive first. Its clock starts at submission.
+- The ROUTER and the inproc PULL belong to the I/O thread. The per-rank inbox
+  PUSH sockets are used only under ``_submit_lock`` (a lock is the memory barrier
+  ZMQ asks for when a socket changes threads), so a request costs no thread
+  hand-off on its way out; the inproc socket only wakes the I/O thread (an
+  earlier deadline, close).
+- A request is registered as pending before it is sent, so its "done" can never
+  arrive first. Its clock starts at submission; deadlines are checked at least
+  every ``heartbeat_interval_s`` and at each request's own deadline.
 - Any failure of a group (a rank exited, no heartbeat, a malformed message, a
   plugin exception, an execution timeout) fails the whole group exactly once:
   its executor leaves the rotation, its ranks get SIGTERM then SIGKILL, and every
@@ -33,6 +38,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import socket
@@ -68,7 +74,7 @@ class _Rank:
     rank: int
     device: int
     process: Any
-    last_beat: float | None = None  # None until the first beat: startup_timeout_s covers that
+    last_beat: float = 0.0  # enforced once the rank is ready; startup_timeout_s covers the start
     ready: bool = False
     exit_reported: bool = False
 
@@ -91,6 +97,7 @@ class _Group:
     pending: dict[int, _Pending] = field(default_factory=dict)
     failed: str | None = None
     frees: collections.deque = field(default_factory=collections.deque)
+    inboxes: list = field(default_factory=list)  # one PUSH per rank, used under _submit_lock
 
 
 class _LockedArena:
@@ -139,11 +146,14 @@ class WorkerSupervisor:
         self._startup = threading.Event()
         self._startup_error: BaseException | None = None
         sweep_stale()  # segments of runs whose processes were all killed
+        _sweep_run_dirs()
         self.run_id = new_run_id()
-        self.run_dir = tempfile.mkdtemp(prefix=f"phyrt-{self.run_id}-")  # mode 0700
+        # mode 0700; the pid in the name lets a later start remove it if this process is SIGKILLed
+        self.run_dir = tempfile.mkdtemp(prefix=f"phyrt-{self.run_id}-{os.getpid()}-")
         self.address = f"ipc://{self.run_dir}/ctl"
         self._mapper = ShmMapper(self.run_id)
         self._unlinked: set[str] = set()  # result segments whose names are already gone
+        self._wake_at = 0.0  # when the I/O thread next wakes by itself (monotonic)
         self._ctx = zmq.Context(1)
         self._groups: list[_Group] = []
         success = False
@@ -181,7 +191,8 @@ class WorkerSupervisor:
             for i in range(len(placement)):
                 _check_port_free(self.config.base_port + i, i)
         total = sum(len(p) for p in placement)
-        threads = max(1, (os.cpu_count() or 1) // total)
+        # the engine process needs a core's share too (it encodes and copies tensors)
+        threads = max(1, (os.cpu_count() or 1) // (total + 1))
         device_cfg = self._args.config.device
         mp = multiprocessing.get_context("spawn")
         from workers.main import main as worker_main
@@ -191,8 +202,15 @@ class WorkerSupervisor:
             group = _Group(replica, [], arena)
             self._groups.append(group)
             for rank, device in enumerate(devices):
+                inbox = self._ctx.socket(zmq.PUSH)
+                inbox.setsockopt(zmq.LINGER, 0)
+                inbox.setsockopt(zmq.SNDHWM, 0)  # never drop, never block: HWM 0 is unbounded
+                inbox_address = f"ipc://{self.run_dir}/in-{replica}-{rank}"
+                inbox.bind(inbox_address)
+                group.inboxes.append(inbox)
                 boot = msgpack.packb({
-                    "run_id": self.run_id, "address": self.address, "replica": replica, "rank": rank,
+                    "run_id": self.run_id, "address": self.address, "inbox": inbox_address,
+                    "replica": replica, "rank": rank,
                     "world_size": ranks_per_replica, "device": device, "target": target,
                     "params_dtype": dtype_name(device_cfg.params_dtype),
                     "parallel": self._args.config.parallel.to_dict(), "plugin": plugin_spec,
@@ -230,7 +248,10 @@ class WorkerSupervisor:
                 allocator_free(allocator)
                 raise EngineUnavailableError(f"replica {replica} is not serving: {group.failed or 'closed'}")
             group.pending[request_id] = pending
-            self._push.send_multipart([b"req", replica.to_bytes(2, "little"), payload], copy=False)
+            for inbox in group.inboxes:
+                inbox.send(payload, copy=False)
+            if pending.deadline is not None and pending.deadline < self._wake_at:
+                self._push.send(b"wake")  # the I/O thread plans to sleep past this deadline
 
     # -- the I/O thread ------------------------------------------------------------
 
@@ -244,19 +265,28 @@ class WorkerSupervisor:
                 sentinels[r.process.sentinel] = r
                 poller.register(r.process.sentinel, zmq.POLLIN)
         started = time.monotonic()
+        next_check = started
         try:
             while True:
-                timeout_ms = self._next_timeout_ms()
-                events = dict(poller.poll(timeout_ms))
+                now = time.monotonic()
+                if now >= next_check:
+                    self._check_deadlines(started)
+                    next_check = now + self.config.heartbeat_interval_s / 2
+                    self._wake_at = min(next_check, self._next_deadline())
+                events = dict(poller.poll(max(0, int((self._wake_at - now) * 1000) + 1)))
                 if self._router in events:
                     self._drain_router()
-                if self._pull in events and not self._drain_inbox():
-                    return
-                for fd in [fd for fd in events if fd in sentinels]:
-                    r = sentinels.pop(fd)
-                    poller.unregister(fd)
-                    self._rank_exited(r)
-                self._check_deadlines(started)
+                if self._pull in events:
+                    if not self._drain_inbox():
+                        return
+                    next_check = 0.0  # woken for an earlier deadline: plan again
+                if len(events) > (self._router in events) + (self._pull in events):
+                    for fd in [fd for fd in events if fd in sentinels]:
+                        r = sentinels.pop(fd)
+                        poller.unregister(fd)
+                        self._rank_exited(r)
+                if time.monotonic() >= self._wake_at:
+                    next_check = 0.0  # a request deadline is due: check now
                 self._send_frees()
         except BaseException as exc:  # a bug here must not leave callers waiting forever
             log.exception("supervisor I/O thread failed")
@@ -264,22 +294,16 @@ class WorkerSupervisor:
                 self._fail_group(group, f"the supervisor's I/O thread failed: {exc!r}")
             self._finish_startup(WorkerStartupError(f"the supervisor's I/O thread failed: {exc!r}"))
 
-    def _next_timeout_ms(self) -> int:
-        waits = [self.config.heartbeat_interval_s]
-        now = time.monotonic()
-        for group in self._groups:
-            if group.failed is None:
-                waits.extend(p.deadline - now for p in list(group.pending.values()) if p.deadline is not None)
-        return max(0, int(min(waits) * 1000) + 1)
+    def _next_deadline(self) -> float:
+        deadlines = [p.deadline for g in self._groups if g.failed is None
+                     for p in list(g.pending.values()) if p.deadline is not None]
+        return min(deadlines, default=float("inf"))
 
     def _drain_router(self) -> None:
-        while True:
-            try:
-                identity, payload = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            except ValueError:  # not two frames: cannot be one of our ranks' messages
-                continue
+        # EVENTS instead of NOBLOCK + zmq.Again: raising costs more than a message
+        while self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = self._router.recv_multipart(copy=False)
+            identity = frames[0]
             kind, replica, rank = _parse_identity(identity.bytes)
             if replica is None or replica >= len(self._groups) or rank >= len(self._groups[replica].ranks):
                 log.warning("message from an unknown peer %r dropped", identity.bytes)
@@ -287,25 +311,36 @@ class WorkerSupervisor:
             group = self._groups[replica]
             r = group.ranks[rank]
             r.last_beat = time.monotonic()
-            if kind == "h" or group.failed is not None:
+            if group.failed is not None:
+                continue
+            if len(frames) != 2:
+                self._fail_group(group, f"rank {rank} sent a malformed message: {len(frames) - 1} frames, not 1")
+                continue
+            if kind == "h":
                 continue
             try:
-                msg = wire.unpack_message(payload.buffer, expected_types=_WORKER_TYPES,
+                msg = wire.unpack_message(frames[1].buffer, expected_types=_WORKER_TYPES,
                                           tensor_decoder=wire.TensorDecoder(
                                               mapper=_ResultMapper(self._mapper, group, rank),
                                               allow_cuda_ipc=self._cuda))
                 self._handle(group, r, msg)
-            except ProtocolError as exc:
-                self._fail_group(group, f"rank {rank} sent a malformed message: {exc}", exc)
-            self._unlink_mapped()
+            except (ProtocolError, TypeError, ValueError, KeyError, AttributeError) as exc:
+                # well-formed msgpack with fields of the wrong shape is just as malformed
+                self._fail_group(group, f"rank {rank} sent a malformed message: {type(exc).__name__}: {exc}", exc)
+            if len(self._mapper.segments) != len(self._unlinked):
+                self._unlink_mapped()
 
     def _handle(self, group: _Group, r: _Rank, msg: dict[str, Any]) -> None:
         kind = msg["type"]
         if kind == "ready":
-            for segment in msg.get("segments") or []:
+            segments = msg.get("segments")
+            if not isinstance(segments, list) or not all(isinstance(x, str) for x in segments):
+                raise ProtocolError(f"'ready' needs a list of segment names, got {segments!r}")
+            for segment in segments:
                 self._mapper.view(segment, 0, 0)  # map now, so that the name can go at once
             self._unlink_mapped()
             r.ready = True
+            r.last_beat = time.monotonic()  # heartbeats are enforced from here on
             if all(x.ready for g in self._groups for x in g.ranks):
                 for g in self._groups:
                     with g.arena_lock:
@@ -339,23 +374,11 @@ class WorkerSupervisor:
                     group.arena.unlink(segment)  # every rank has mapped it by now
 
     def _drain_inbox(self) -> bool:
-        """Forward submitted requests to their ranks; False when asked to close."""
-        while True:
-            try:
-                frames = self._pull.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return True
-            if frames[0].bytes == b"close":
+        """Consume wake-ups; False when asked to close."""
+        while self._pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if self._pull.recv() == b"close":
                 return False
-            group = self._groups[int.from_bytes(frames[1].bytes, "little")]
-            if group.failed is not None:
-                continue  # its futures were failed with the group
-            for r in group.ranks:
-                try:
-                    self._router.send_multipart([f"c-{group.index}-{r.rank}".encode(), frames[2]], copy=False)
-                except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the rank's socket is gone
-                    self._fail_group(group, f"rank {r.rank} cannot be reached: {exc}", exc)
-                    break
+        return True
 
     def _rank_exited(self, r: _Rank) -> None:
         group = self._groups[r.replica]
@@ -369,7 +392,8 @@ class WorkerSupervisor:
             if group.failed is not None:
                 continue
             for r in group.ranks:
-                if r.last_beat is not None and now - r.last_beat > hb_timeout:
+                # a starting rank may hold the GIL in its build: startup_timeout_s covers it
+                if r.ready and now - r.last_beat > hb_timeout:
                     self._fail_group(group, f"rank {r.rank} sent no heartbeat for {now - r.last_beat:.1f} s "
                                             f"(heartbeat_timeout_s={hb_timeout})")
                     break
@@ -387,6 +411,8 @@ class WorkerSupervisor:
 
     def _send_frees(self) -> None:
         for group in self._groups:
+            if not group.frees:
+                continue
             blocks: dict[int, list] = collections.defaultdict(list)
             while group.frees:
                 rank, segment, offset = group.frees.popleft()
@@ -465,6 +491,9 @@ class WorkerSupervisor:
         for group in self._groups:
             group.arena.close()
         self._mapper.close()
+        for group in self._groups:
+            for inbox in group.inboxes:
+                inbox.close(0)
         for sock in ("_router", "_pull", "_push"):
             if hasattr(self, sock):
                 getattr(self, sock).close(0)
@@ -531,6 +560,25 @@ def _stop_ranks(processes: list[Any], polite: bool = False) -> None:
         if p.is_alive():
             p.kill()
             p.join(5)
+
+
+def _sweep_run_dirs() -> None:
+    """Remove run directories left by engine processes that no longer exist."""
+    pattern = re.compile(r"phyrt-[0-9a-f]+-([0-9]+)-")
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        match = pattern.match(name)
+        path = os.path.join(root, name)
+        if match is None or not os.path.isdir(path) or os.stat(path).st_uid != os.getuid():
+            continue
+        pid = int(match.group(1))
+        try:
+            os.kill(pid, 0)
+            continue  # its owner lives (or the pid was reused: leave it, it is only a directory)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:
+            continue
 
 
 def _check_port_free(port: int, replica: int) -> None:

@@ -1,7 +1,8 @@
 """The rank process of a local replica: ``main(bootstrap)`` is its entry point.
 
     supervisor (engine process)                       this rank
-    ROUTER ipc://RUN_DIR/ctl  <------ DEALER "c-R-r" ---  main thread: start, serve loop
+    PUSH ipc://RUN_DIR/in-R-r ------- requests ------->  PULL  main thread: serve loop
+    ROUTER ipc://RUN_DIR/ctl  <------ DEALER "c-R-r" ---  main thread: ready, done; <- free, shutdown
                               <------ DEALER "h-R-r" ---  heartbeat thread: "hb" every interval
     parent's spawn pipe       ------- EOF on death ---->  death-watch thread: os._exit
 
@@ -13,7 +14,8 @@ from the ParallelConfig, build the plugin, then send "ready". Any failure on the
 way is sent as "startup_error" (type, message, traceback text) and the process exits.
 
 Serve: every rank of the replica receives every request of its replica in the
-same order (one ROUTER, one connection per rank, ZMQ keeps per-connection order),
+same order (the supervisor sends each request to every rank's inbox under one
+lock, and ZMQ keeps per-connection order),
 so all ranks enter the plugin's collectives together. Each rank answers "done" for
 each request; the output rank's "done" carries the result. A plugin exception is
 reported as data and, because ranks that share collectives cannot resume
@@ -33,6 +35,7 @@ GIL). The death watch makes a rank exit within moments of its engine's SIGKILL.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import os
 import sys
 import threading
@@ -111,6 +114,9 @@ def main(bootstrap: bytes) -> None:
     ctl.setsockopt(zmq.LINGER, 0)
     ctl.setsockopt(zmq.IDENTITY, f"c-{replica}-{rank}".encode())
     ctl.connect(boot["address"])
+    inbox = ctx.socket(zmq.PULL)
+    inbox.setsockopt(zmq.LINGER, 0)
+    inbox.connect(boot["inbox"])
     heartbeat = _Heartbeat(ctx, boot["address"], f"h-{replica}-{rank}".encode(), boot["heartbeat_interval_s"])
     arena = mapper = core = None
     code = 0
@@ -122,7 +128,7 @@ def main(bootstrap: bytes) -> None:
             code = 1
             return
         ctl.send(wire.pack_message("ready", rank, segments=arena.segments))
-        _serve(ctl, core, arena, mapper, boot)
+        _serve(ctl, inbox, core, arena, mapper, boot)
     except BaseException:
         traceback.print_exc()  # the supervisor sees the exit; the text goes to the log
         code = 1
@@ -130,6 +136,7 @@ def main(bootstrap: bytes) -> None:
         heartbeat.stop()
         _shutdown(core, arena, mapper)
         ctl.close(0)
+        inbox.close(0)
         ctx.term()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -182,34 +189,41 @@ def _timedelta(seconds: float):
     return datetime.timedelta(seconds=seconds)
 
 
-def _serve(ctl: zmq.Socket, core: Any, arena: ShmArena, mapper: ShmMapper, boot: dict[str, Any]) -> None:
+def _serve(ctl: zmq.Socket, inbox: zmq.Socket, core: Any, arena: ShmArena, mapper: ShmMapper,
+           boot: dict[str, Any]) -> None:
     is_output = boot["rank"] == 0
     decoder = wire.TensorDecoder(mapper=mapper, allow_cuda_ipc=boot["target"] == "cuda")
     encoder = wire.TensorEncoder(allocator=arena, inline_threshold=INLINE_LIMIT)
     poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
     poller.register(ctl, zmq.POLLIN)
     while True:
         # Block for messages only while the runner has nothing to advance.
-        timeout = 0 if core.has_unfinished() else None
-        while poller.poll(timeout):
-            msg = wire.unpack_message(ctl.recv(copy=False).buffer, expected_types={"request", "free", "shutdown"},
-                                      tensor_decoder=decoder)
-            kind = msg["type"]
-            if kind == "shutdown":
+        if not core.has_unfinished():
+            poller.poll()
+        while ctl.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            msg = wire.unpack_message(ctl.recv(copy=False).buffer, expected_types={"free", "shutdown"})
+            if msg["type"] == "shutdown":
                 return
-            if kind == "free":
-                for segment, offset in msg["blocks"]:
-                    arena.free(segment, offset)
-            else:
-                core.add(msg["id"], msg["payload"])
-            timeout = 0
+            for segment, offset in msg["blocks"]:
+                arena.free(segment, offset)
+        while inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            msg = wire.unpack_message(inbox.recv(copy=False).buffer, expected_types={"request"},
+                                      tensor_decoder=decoder)
+            core.add(msg["id"], msg["payload"])
+            if not core.batching:
+                break  # one at a time: the rest stay queued in the socket
         for request_id, result, error in core.step():
+            if error is None and is_output:
+                try:
+                    reply = wire.pack_message("done", request_id, ok=True, result=result, tensor_encoder=encoder)
+                except Exception as exc:  # a result the wire cannot carry fails like the plugin did
+                    error = exc
+            elif error is None:
+                reply = wire.pack_message("done", request_id, ok=True)
             if error is not None:
-                ctl.send(wire.pack_message("done", request_id, ok=False, **_error_fields(error)))
-            elif is_output:
-                ctl.send(wire.pack_message("done", request_id, ok=True, result=result, tensor_encoder=encoder))
-            else:
-                ctl.send(wire.pack_message("done", request_id, ok=True))
+                reply = wire.pack_message("done", request_id, ok=False, **_error_fields(error))
+            ctl.send(reply)
 
 
 def _shutdown(core: Any, arena: ShmArena | None, mapper: ShmMapper | None) -> None:
