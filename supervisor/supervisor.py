@@ -76,7 +76,7 @@ class _Rank:
     process: Any
     last_beat: float = 0.0  # enforced once the rank is ready; startup_timeout_s covers the start
     ready: bool = False
-    exit_reported: bool = False
+    decoder: Any = None  # the wire decoder for this rank's answers (results map to its arena)
 
 
 @dataclass
@@ -222,7 +222,9 @@ class WorkerSupervisor:
                 process = mp.Process(target=worker_main, args=(boot,), name=f"phyrt-r{replica}-{rank}",
                                      daemon=True)
                 process.start()
-                group.ranks.append(_Rank(replica, rank, device, process))
+                decoder = wire.TensorDecoder(mapper=_ResultMapper(self._mapper, group, rank),
+                                             allow_cuda_ipc=self._cuda)
+                group.ranks.append(_Rank(replica, rank, device, process, decoder=decoder))
 
     def _wait_ready(self) -> None:
         if not self._startup.wait(self.config.startup_timeout_s + 5.0):
@@ -320,9 +322,7 @@ class WorkerSupervisor:
                 continue
             try:
                 msg = wire.unpack_message(frames[1].buffer, expected_types=_WORKER_TYPES,
-                                          tensor_decoder=wire.TensorDecoder(
-                                              mapper=_ResultMapper(self._mapper, group, rank),
-                                              allow_cuda_ipc=self._cuda))
+                                          tensor_decoder=r.decoder)
                 self._handle(group, r, msg)
             except (ProtocolError, TypeError, ValueError, KeyError, AttributeError) as exc:
                 # well-formed msgpack with fields of the wrong shape is just as malformed

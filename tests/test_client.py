@@ -1,0 +1,428 @@
+"""runtime.client against launched servers of the ``tests.plugins:Echo`` plugin (inline).
+
+One Echo server serves the module; the Overloaded and restart tests start their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from runtime.client import (AsyncClient, Client, ConnectionLostError, DeadlineExceededError, InvalidRequestError,
+                            OverloadedError, PluginError, ServerUnavailableError)
+from tests.test_launch import ROOT, Launched, shm_names_of, wait_until
+
+
+@pytest.fixture(scope="module")
+def echo(tmp_path_factory):
+    server = Launched("--plugin", "tests.plugins:Echo", "--device", "cpu", "--log-level", "warning",
+                      log_dir=tmp_path_factory.mktemp("echo"))
+    yield server
+    assert server.stop() == 0, server.log()
+
+
+@pytest.fixture
+def client(echo):
+    with Client(echo.address) as c:
+        yield c
+
+
+def _run_python(code: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+# --------------------------------------------------------------------------- import and round trips
+
+
+@pytest.mark.timeout(90)
+def test_client_imports_and_works_without_torch(echo):
+    code = f"""
+import sys
+sys.modules["torch"] = None  # any import of torch now fails
+import numpy as np
+from runtime.client import Client
+with Client({echo.address!r}) as c:
+    r = c.call({{"x": np.arange(6, dtype=np.int64).reshape(2, 3)}}, timeout=30)
+    assert r["x"].tolist() == [[0, 1, 2], [3, 4, 5]], r
+print("torch-free ok")
+"""
+    out = _run_python(code)
+    assert out.returncode == 0, out.stderr
+    assert "torch-free ok" in out.stdout
+
+
+@pytest.mark.timeout(60)
+def test_every_dtype_and_structure_round_trips(client):
+    rng = np.random.default_rng(0)
+    payload = {
+        "nested": {"list": [1, 2.5, "three", None, True, b"bytes"], "tuple": (1, 2)},
+        "scalar": np.float32(1.5),
+        "empty": np.zeros((0, 3), np.float32),
+        "zero_d": np.array(7, np.int32),
+        "strided": np.arange(20, dtype=np.float64).reshape(4, 5)[:, ::2],
+        "big_endian": np.arange(4, dtype=">i4"),
+        "bool": np.array([True, False, True]),
+        **{str(dt): (rng.standard_normal((3, 4)) * 10).astype(dt)
+           for dt in (np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8)},
+    }
+    result = client.call(payload, timeout=30)
+    assert result["nested"] == {"list": [1, 2.5, "three", None, True, b"bytes"], "tuple": [1, 2]}
+    assert result["scalar"] == 1.5
+    for key in payload:
+        if isinstance(payload[key], np.ndarray):
+            expected = np.asarray(payload[key])
+            assert result[key].shape == expected.shape, key
+            assert result[key].dtype == expected.dtype.newbyteorder("="), key
+            np.testing.assert_array_equal(result[key], expected)
+            assert result[key].flags.writeable  # results are the caller's own arrays
+
+
+@pytest.mark.timeout(60)
+def test_torch_tensors_in_and_out(echo):
+    torch = pytest.importorskip("torch")
+    with Client(echo.address, tensor_type="torch") as client:
+        x = torch.randn(3, 5)
+        half = torch.randn(4, dtype=torch.bfloat16)
+        result = client.call({"x": x, "t": x.t(), "half": half}, timeout=30)
+        assert isinstance(result["x"], torch.Tensor)
+        assert torch.equal(result["x"], x) and torch.equal(result["t"], x.t().contiguous())
+        assert result["half"].dtype == torch.bfloat16 and torch.equal(result["half"], half)
+
+
+@pytest.mark.timeout(60)
+def test_bad_payloads_fail_in_the_caller(client):
+    with pytest.raises(TypeError, match="cannot send"):
+        client.submit({"x": object()})
+    with pytest.raises(TypeError, match="map keys must be str"):
+        client.submit({1: 2})
+    with pytest.raises(TypeError, match="cannot be sent"):
+        client.submit({"x": np.zeros(2, np.complex64)})
+
+
+# --------------------------------------------------------------------------- shared memory
+
+
+@pytest.mark.timeout(60)
+def test_large_tensors_go_through_shared_memory_and_leave_no_names(client):
+    big = np.random.default_rng(1).standard_normal((512, 1024)).astype(np.float32)  # 2 MiB
+    assert wait_until(lambda: client._session is not None and client._session.result_mapper is not None, 10)
+    for _ in range(3):
+        result = client.call({"image": big, "small": np.ones(4, np.float32)}, timeout=30)
+        np.testing.assert_array_equal(result["image"], big)
+    session = client._session
+    assert session.arena is not None and session.registered  # inputs went by shared memory
+    assert session.result_mapper.segments  # and results came back that way
+    # every name was unlinked once mapped: a crash of either side now leaks nothing
+    assert [n for n in os.listdir("/dev/shm") if session.run_id in n] == []
+    result_run = session.result_mapper.run_id
+    assert wait_until(lambda: [n for n in os.listdir("/dev/shm") if result_run in n] == [], 5)
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_client_leaves_no_segment(echo):
+    code = f"""
+import sys, time
+import numpy as np
+from runtime.client import Client
+c = Client({echo.address!r})
+deadline = time.monotonic() + 10
+while (c._session is None or c._session.result_mapper is None) and time.monotonic() < deadline:
+    time.sleep(0.01)
+big = np.ones((1024, 512), np.float32)
+assert (c.call({{"x": big}}, timeout=30)["x"] == big).all()
+print("called", flush=True)
+time.sleep(60)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "called"
+    finally:
+        proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+    assert shm_names_of({proc.pid}) == []
+    with Client(echo.address) as c:  # the server is unaffected
+        assert c.call({"after": 1}, timeout=30) == {"after": 1}
+
+
+@pytest.mark.timeout(60)
+def test_result_segments_of_a_dead_client_are_removed(echo):
+    """A client that dies holding unreleased result blocks: the server drops them with its pid."""
+    import msgpack
+    import zmq
+
+    from runtime.shm import new_run_id
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(echo.address)
+    try:
+        sock.send(msgpack.packb({"v": 1, "op": "register", "id": 1, "run_id": new_run_id(), "segments": [],
+                                 "pid": sleeper.pid}))
+        assert sock.poll(10_000)
+        reply = msgpack.unpackb(sock.recv(), raw=False)
+        assert reply["ok"], reply
+        result_run = reply["result"]["result_run_id"]
+        big = np.ones(1 << 16, np.float32)
+        sock.send_multipart([msgpack.packb({"v": 1, "op": "submit", "id": 2, "shm_results": True, "payload": {
+            "x": msgpack.ExtType(1, msgpack.packb(["float32", [1 << 16], 0]))}}), big.tobytes()])
+        assert sock.poll(10_000)
+        reply = msgpack.unpackb(sock.recv_multipart()[0], raw=False)
+        assert reply["ok"] and reply["result"]["x"].code == 2  # the result went to shared memory
+        linked = lambda: [n for n in os.listdir("/dev/shm") if result_run in n]  # noqa: E731
+        assert linked()  # never released, so still named
+        sleeper.kill()
+        sleeper.wait(10)
+        assert wait_until(lambda: not linked(), 5), linked()
+    finally:
+        sleeper.kill()
+        sleeper.wait(10)
+        sock.close()
+        ctx.term()
+
+
+# --------------------------------------------------------------------------- deadlines, cancel, errors
+
+
+@pytest.mark.timeout(60)
+def test_deadline_of_a_running_request(client):
+    with pytest.raises(DeadlineExceededError, match="still running"):
+        client.submit({"sleep": 1.0}, timeout=0.2).result(10)
+    assert client.call({"next": 1}, timeout=30) == {"next": 1}
+
+
+@pytest.mark.timeout(60)
+def test_deadline_of_a_queued_request_cancels_it(client):
+    running = client.submit({"sleep": 0.8})
+    queued = client.submit({"queued": 1}, timeout=0.2)
+    with pytest.raises(DeadlineExceededError, match="cancelled while queued"):
+        queued.result(10)
+    assert running.result(10) == {"sleep": 0.8}
+
+
+@pytest.mark.timeout(60)
+def test_call_timeout_raises_deadline_exceeded(client):
+    with pytest.raises(DeadlineExceededError):
+        client.call({"sleep": 1.0}, timeout=0.1)
+    assert client.call({"ok": 1}, timeout=30) == {"ok": 1}
+
+
+@pytest.mark.timeout(60)
+def test_cancel_only_a_queued_request(client):
+    running = client.submit({"sleep": 1.0})
+    time.sleep(0.3)  # the inline engine has taken it by now
+    queued = client.submit({"queued": 2})
+    assert client.cancel(queued) is True
+    assert wait_until(queued.cancelled, 5)
+    assert client.cancel(running) is False
+    assert running.result(10) == {"sleep": 1.0}
+    assert client.cancel(running) is False  # finished: nothing to cancel
+
+
+@pytest.mark.timeout(60)
+def test_future_cancel_asks_the_server_to_drop_the_request(client):
+    running = client.submit({"sleep": 0.5})
+    queued = client.submit({"queued": 3})
+    assert queued.cancel()
+    assert running.result(10) == {"sleep": 0.5}
+    assert client.call({"after": 3}, timeout=30) == {"after": 3}
+
+
+@pytest.mark.timeout(60)
+def test_error_types(client):
+    with pytest.raises(InvalidRequestError, match="marked invalid"):
+        client.call({"invalid": True}, timeout=30)
+    with pytest.raises(PluginError, match="ZeroDivisionError: boom") as info:
+        client.call({"raise": "ZeroDivisionError"}, timeout=30)
+    assert "Traceback" not in str(info.value)
+    assert client.call({"still": "serving"}, timeout=30) == {"still": "serving"}
+
+
+@pytest.mark.timeout(60)
+def test_ping_and_info(client):
+    assert 0 < client.ping() < 5
+    info = client.info()
+    assert info["plugin"] == "tests.plugins:Echo" and info["mode"] == "inline"
+    assert info["replicas"][0]["healthy"] is True
+    assert {"phyrt", "protocol", "torch", "pyzmq", "msgpack"} <= info["versions"].keys()
+
+
+# --------------------------------------------------------------------------- concurrency
+
+
+@pytest.mark.timeout(90)
+def test_many_threads_share_one_client(client):
+    errors: list[BaseException] = []
+
+    def work(worker: int) -> None:
+        try:
+            for i in range(25):
+                payload = {"w": worker, "i": i, "x": np.full(3, worker * 100 + i, np.int32)}
+                result = client.call(payload, timeout=30)
+                assert result["w"] == worker and result["i"] == i
+                assert result["x"].tolist() == [worker * 100 + i] * 3
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[:3]
+
+
+@pytest.mark.timeout(60)
+def test_submit_from_a_callback_does_not_block(client):
+    """What a ROS subscriber callback does: submit, and publish from the done callback."""
+    published: list = []
+    done = threading.Event()
+
+    def on_result(future):
+        published.append(future.result()["n"])
+        if len(published) == 20:
+            done.set()
+
+    started = time.monotonic()
+    for n in range(20):
+        client.submit({"n": n, "sleep": 0.01}).add_done_callback(on_result)
+    assert time.monotonic() - started < 0.5  # submits return at once
+    assert done.wait(30)
+    assert sorted(published) == list(range(20))
+
+
+@pytest.mark.timeout(60)
+def test_async_client(echo):
+    async def scenario():
+        async with AsyncClient(echo.address) as client:
+            assert await client.ping() > 0
+            assert (await client.info())["mode"] == "inline"
+            results = await asyncio.gather(*(client.call({"i": i}, timeout=30) for i in range(20)))
+            assert [r["i"] for r in results] == list(range(20))
+            with pytest.raises(DeadlineExceededError):
+                await client.call({"sleep": 1.0}, timeout=0.1)
+            running = client.submit({"sleep": 0.5})
+            queued = client.submit({"queued": 1})
+            assert await client.cancel(queued) is True
+            with pytest.raises(asyncio.CancelledError):
+                await queued
+            assert (await running)["sleep"] == 0.5
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_closed_client_fails_pending_and_refuses_new_requests(echo):
+    client = Client(echo.address)
+    pending = client.submit({"sleep": 0.5})
+    client.close()
+    with pytest.raises(ConnectionLostError, match="closed"):
+        pending.result(5)
+    with pytest.raises(ConnectionLostError):
+        client.submit({"x": 1})
+    client.close()  # idempotent
+
+
+# --------------------------------------------------------------------------- back-pressure
+
+
+@pytest.mark.timeout(120)
+def test_overloaded_beyond_max_inflight(tmp_path):
+    server = Launched("--plugin", "tests.plugins:Echo", "--device", "cpu", "--max-inflight", "1",
+                      "--log-level", "warning", log_dir=tmp_path)
+    try:
+        with Client(server.address) as client:
+            slow = client.submit({"sleep": 1.0})
+            time.sleep(0.1)
+            started = time.monotonic()
+            with pytest.raises(OverloadedError, match="max-inflight 1"):
+                client.call({"x": 1}, timeout=10)
+            assert time.monotonic() - started < 0.9  # refused at once, not queued behind the 1 s request
+            assert slow.result(10) == {"sleep": 1.0}
+            assert client.call({"x": 2}, timeout=10) == {"x": 2}
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+# --------------------------------------------------------------------------- server loss and restart
+
+
+@pytest.mark.timeout(180)
+def test_server_death_fails_in_flight_requests_and_a_restart_is_reconnected(tmp_path):
+    private = tmp_path / "sock"
+    private.mkdir(mode=0o700)
+    address = f"ipc://{private}/echo.sock"
+    args = ("--plugin", "tests.plugins:Echo", "--device", "cpu", "--address", address, "--log-level", "warning")
+    first = Launched(*args, log_dir=tmp_path, name="first")
+    client = Client(address, heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0)
+    second = None
+    try:
+        assert wait_until(lambda: client._session is not None and client._session.result_mapper is not None, 10)
+        big = np.ones((1024, 256), np.float32)
+        assert (client.call({"x": big}, timeout=30)["x"] == big).all()
+        in_flight = client.submit({"sleep": 30})
+        time.sleep(0.2)
+        first.kill()  # SIGKILL: no goodbye
+        started = time.monotonic()
+        with pytest.raises(ConnectionLostError, match="lost"):
+            in_flight.result(10)
+        assert time.monotonic() - started < 5
+        assert wait_until(lambda: shm_names_of(first.pids) == [], 5), shm_names_of(first.pids)
+
+        second = Launched(*args, log_dir=tmp_path, name="second")
+        assert wait_until(lambda: _answers(client), 30)
+        assert (client.call({"x": big}, timeout=30)["x"] == big).all()  # a fresh shm session
+    finally:
+        client.close()
+        if second is not None:
+            assert second.stop() == 0, second.log()
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:  # a thread that just ended
+            pass
+    return all(state in ("T", "t") for state in states)
+
+
+def _answers(client: Client) -> bool:
+    try:
+        return client.call({"up": 1}, timeout=2) == {"up": 1}
+    except (ConnectionLostError, DeadlineExceededError, ServerUnavailableError):
+        return False
+
+
+@pytest.mark.timeout(120)
+def test_a_silent_server_fails_in_flight_requests_after_the_heartbeat_timeout(tmp_path):
+    server = Launched("--plugin", "tests.plugins:Echo", "--device", "cpu", "--log-level", "warning",
+                      log_dir=tmp_path)
+    client = Client(server.address, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0)
+    try:
+        assert client.call({"x": 1}, timeout=30) == {"x": 1}
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            assert wait_until(lambda: _all_threads_stopped(server.proc.pid), 10)  # it takes a moment
+            started = time.monotonic()
+            with pytest.raises(ConnectionLostError, match="heartbeat_timeout_s"):
+                client.submit({"x": 2}).result(10)
+            assert time.monotonic() - started < 3
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert wait_until(lambda: _answers(client), 10)
+    finally:
+        client.close()
+        assert server.stop() == 0, server.log()

@@ -1,0 +1,368 @@
+"""runtime.server behind ``python -m runtime.launch --devices 0,1,2,3 --replicas 2 --device cpu``.
+
+One launched server (2 replicas x 2 CPU ranks, gloo, the ``policy`` demo) serves the
+whole module; clients run in this process and in other processes. The last test
+stops it with SIGTERM and proves nothing is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from runtime.client import Client, DeadlineExceededError, InvalidRequestError
+from tests.test_launch import ROOT, Launched, free_port, shm_names_of, wait_until
+
+#: oversized-message tests need a small limit; real payloads here are far below it
+MAX_MESSAGE_BYTES = 1 << 20
+MALFORMED = 10_000
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    launched = Launched("--devices", "0,1,2,3", "--replicas", "2", "--device", "cpu",
+                        "--base-port", str(free_port(2)), "--max-message-bytes", str(MAX_MESSAGE_BYTES),
+                        "--log-level", "warning", log_dir=tmp_path_factory.mktemp("server"))
+    yield launched
+    if launched.proc.returncode is None:
+        assert launched.stop() == 0, launched.log()
+
+
+@pytest.fixture(scope="module")
+def inline_policy():
+    """The reference: the same plugin, inline, in this process."""
+    import torch
+
+    from runtime import Engine, EngineArgs
+
+    engine = Engine(EngineArgs(plugin="policy"))
+
+    def actions(obs: np.ndarray) -> np.ndarray:
+        return engine.step({"obs": torch.from_numpy(obs)})["actions"].numpy()
+
+    yield actions
+    engine.close()
+
+
+def _median_latency(client: Client, obs: np.ndarray, calls: int = 60) -> float:
+    samples = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        client.call({"obs": obs}, timeout=60)
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+# --------------------------------------------------------------------------- answers
+
+
+@pytest.mark.timeout(60)
+def test_ready_line_reports_the_local_topology(server):
+    f = server.fields
+    assert (f["mode"], f["replicas"], f["ranks_per_replica"], f["device"], f["backend"]) == \
+        ("local", "2", "2", "cpu", "gloo")
+    assert f["address"].startswith("ipc://")
+    assert len(server.pids) >= 5  # launch and four ranks
+    assert "4 CPU ranks with gloo" in server.log() or f["backend"] == "gloo"
+
+
+@pytest.mark.timeout(120)
+def test_answers_match_the_inline_policy(server, inline_policy):
+    rng = np.random.default_rng(0)
+    with Client(server.address) as client:
+        info = client.info(timeout=30)
+        assert info["mode"] == "local" and info["replica_count"] == 2 and info["ranks_per_replica"] == 2
+        assert all(r["healthy"] for r in info["replicas"])
+        assert info["device"] == "cpu" and info["backend"] == "gloo"
+        for batch in (1, 4, 2048):  # 2048 x 32 floats go by shared memory, and so do their actions
+            obs = rng.standard_normal((batch, 32), dtype=np.float32)
+            futures = [client.submit({"obs": obs}) for _ in range(4)]  # both replicas
+            for future in futures:
+                actions = future.result(60)["actions"]
+                assert actions.shape == (batch, 8, 7) and actions.dtype == np.float32
+                np.testing.assert_allclose(actions, inline_policy(obs), atol=1e-5)
+        assert client._session is not None and client._session.registered
+
+
+@pytest.mark.timeout(180)
+def test_eight_concurrent_client_processes(server, inline_policy, tmp_path):
+    code = """
+import sys
+sys.modules["torch"] = None
+import numpy as np
+from runtime.client import Client
+address, seed, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+obs = np.random.default_rng(seed).standard_normal((15, 2, 32), dtype=np.float32)
+with Client(address) as client:
+    np.save(path, np.stack([client.call({"obs": o}, timeout=120)["actions"] for o in obs]))
+"""
+    procs = [subprocess.Popen([sys.executable, "-c", code, server.address, str(seed), str(tmp_path / f"{seed}.npy")],
+                              cwd=ROOT, stderr=subprocess.PIPE, text=True) for seed in range(8)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=170)
+        assert proc.returncode == 0, err
+    for seed in range(8):
+        obs = np.random.default_rng(seed).standard_normal((15, 2, 32), dtype=np.float32)
+        got = np.load(tmp_path / f"{seed}.npy")
+        np.testing.assert_allclose(got, np.stack([inline_policy(o) for o in obs]), atol=1e-5)
+
+
+@pytest.mark.timeout(60)
+def test_deadline_on_local_replicas(server):
+    with Client(server.address) as client:
+        obs = np.ones((1, 32), np.float32)
+        with pytest.raises(DeadlineExceededError, match="still running"):
+            client.submit({"obs": obs}, timeout=1e-6).result(30)
+        assert wait_until(lambda: client.info()["inflight"] == 0, 10)  # its result came and was dropped
+        assert client.call({"obs": obs}, timeout=30)["actions"].shape == (1, 8, 7)
+
+
+@pytest.mark.timeout(60)
+def test_cancel_is_refused_on_local_replicas(server):
+    with Client(server.address) as client:
+        obs = np.ones((1, 32), np.float32)
+        future = client.submit({"obs": obs})
+        assert client.cancel(future) is False  # local ranks run what they were sent
+        assert future.result(30)["actions"].shape == (1, 8, 7)
+
+
+@pytest.mark.timeout(60)
+def test_plugin_validation_rejects_bad_requests(server):
+    with Client(server.address) as client:
+        with pytest.raises(InvalidRequestError, match="shape"):
+            client.call({"obs": np.ones((2, 5), np.float32)}, timeout=30)
+        with pytest.raises(InvalidRequestError, match="float32"):
+            client.call({"obs": np.ones((2, 32), np.float64)}, timeout=30)
+        with pytest.raises(InvalidRequestError, match="NaN"):
+            client.call({"obs": np.full((1, 32), np.nan, np.float32)}, timeout=30)
+        assert all(r["healthy"] for r in client.info()["replicas"])
+
+
+# --------------------------------------------------------------------------- untrusted input
+
+
+@pytest.mark.timeout(240)
+def test_malformed_inputs_do_not_stop_or_slow_the_server(server, tmp_path):
+    obs = np.ones((1, 32), np.float32)
+    with Client(server.address) as good:
+        before = _median_latency(good, obs)
+        served, failures = [0], []
+        stop = threading.Event()
+
+        def keep_calling() -> None:  # a good client keeps being served meanwhile
+            while not stop.is_set():
+                try:
+                    good.call({"obs": obs}, timeout=60)
+                    served[0] += 1
+                except Exception as exc:  # noqa: BLE001 - reported below
+                    failures.append(exc)
+
+        caller = threading.Thread(target=keep_calling)
+        caller.start()
+        try:
+            out = subprocess.run([sys.executable, "-c", "import sys; from tests.test_server import fuzz; "
+                                  "fuzz(sys.argv[1], int(sys.argv[2]), 7)", server.address, str(MALFORMED)],
+                                 cwd=ROOT, capture_output=True, text=True, timeout=200)
+        finally:
+            stop.set()
+            caller.join(60)
+        assert out.returncode == 0, out.stderr
+        stats = json.loads(out.stdout.strip().splitlines()[-1])
+        assert stats["sent"] >= MALFORMED
+        assert stats["errors"] == stats["expected_errors"], stats
+        assert stats["bad_replies"] == [], stats["bad_replies"][:5]
+        assert not failures, failures[:3]
+        assert served[0] > 0
+        after = _median_latency(good, obs)
+        assert after < max(3 * before, before + 0.010), (before, after)  # loose: the machine is shared
+        info = good.info()
+        assert all(r["healthy"] for r in info["replicas"]) and info["inflight"] == 0
+    assert server.proc.poll() is None
+
+
+def fuzz(address: str, count: int, seed: int) -> None:
+    """Send ``count`` malformed messages (and a few oversized ones), check each answer.
+
+    Prints one JSON line: sent, expected_errors, errors, bad_replies (answers that
+    are not an InvalidRequest error, or that carry a traceback).
+    """
+    import random
+
+    import msgpack
+    import zmq
+
+    from runtime.shm import ShmArena, new_run_id
+
+    rng = random.Random(seed)
+    P = lambda obj: msgpack.packb(obj, use_bin_type=True)  # noqa: E731
+    Ext = msgpack.ExtType
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(address)
+    run_id = new_run_id()
+    arena = ShmArena(run_id, 1 << 20)
+    segment = arena.segments[0]
+    other = ShmArena(new_run_id(), 1 << 16)  # a real segment of another run
+
+    def submit(payload, frames=(), **extra):
+        return [P({"v": 1, "op": "submit", "id": rng.randrange(1 << 30), "payload": payload, **extra}), *frames]
+
+    def frame_ref(dtype, shape, index):
+        return Ext(1, P([dtype, shape, index]))
+
+    def shm_ref(seg, offset, dtype="float32", shape=(4,)):
+        return Ext(2, P([seg, offset, dtype, list(shape)]))
+
+    f32 = np.ones((1, 32), np.float32).tobytes()
+    kinds = [
+        lambda: [rng.randbytes(rng.randrange(0, 300))],
+        lambda: [P(rng.choice([1, "x", [1, 2], None, 3.5, b"b", True]))],
+        lambda: [P(rng.choice([{"op": "ping", "id": 1}, {"v": 2, "op": "ping", "id": 1},
+                               {"v": "1", "op": "ping", "id": 1}, {"v": True, "op": "ping", "id": 1}]))],
+        lambda: [P({"v": 1, "op": rng.choice(["shutdown", "", "exec", 5, None, ["submit"], "SUBMIT"]), "id": 1})],
+        lambda: [P({"v": 1, "op": "ping", "id": rng.choice([1.5, -1, -2**63, "", "x" * 129, True, [1], {"a": 1}])})],
+        lambda: [P({"v": 1, "op": rng.choice(["ping", "info"]), "id": 1, rng.choice(["extra", "debug"]): 1})],
+        lambda: submit({"obs": 1}, priority=9),
+        lambda: [rng.choice([b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xffabc",
+                             b"\xc6\xff\xff\xff\xff", b"\xc9\xff\xff\xff\xff\x01",
+                             b"\x84" + P("v") + P(1) + P("op") + P("submit") + P("id") + P(1) + P("payload")
+                             + b"\xdd\x7f\xff\xff\xff"]) + rng.randbytes(rng.randrange(0, 16))],
+        lambda: submit({"obs": frame_ref(rng.choice(["complex64", 5, None, "float128"]), [1, 32], 0)}, [f32]),
+        lambda: submit({"obs": frame_ref("float32", rng.choice([[-1], [2**41], [1] * 17, "abc", [1.5]]), 0)},
+                       [f32]),
+        lambda: submit({"obs": frame_ref("float32", [1, 32], rng.choice([1, 5, -1, True, "0", 2**63]))}, [f32]),
+        lambda: submit({"obs": frame_ref("float32", [rng.randrange(2, 9), 32], 0)}, [f32]),  # size mismatch
+        lambda: submit({"obs": frame_ref("float32", [1, 32], 0), "again": frame_ref("float32", [1, 32], 0)},
+                       [f32]),
+        lambda: submit({"obs": 1}, [f32]),  # a frame nothing refers to
+        lambda: submit({"obs": Ext(1, rng.randbytes(rng.randrange(0, 12)))}, [f32]),
+        lambda: submit({"obs": Ext(rng.choice([0, 3, 7, 99]), b"\x90")}),
+        lambda: submit({"obs": frame_ref("float32", [0], 0)}, [b""] * 257),
+        lambda: submit({"obs": shm_ref(rng.choice(["phyrt-deadbeef-1-0", "../../etc/passwd", "/dev/shm/x", "",
+                                                   f"phyrt-{run_id}-1-99", other.segments[0], segment]),
+                                       rng.choice([0, 2**62, 12]))}),
+        lambda: submit({"obs": shm_ref(segment, rng.choice([-8, 2**40, (1 << 20) - 8, 2, True]),
+                                       shape=rng.choice([(1, 32), (4,), (2**30,)]))}),
+        lambda: [P({"v": 1, "op": "register", "id": 1, "run_id": rng.choice([run_id, "XYZ", 5, "a" * 40, None]),
+                    "segments": rng.choice([[other.segments[0]], ["../x"], [f"phyrt-{run_id}-1-0"], "seg", [5],
+                                            [segment] * 65])})],
+        lambda: submit([[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]),
+        lambda: [P({"v": 1, "op": "submit", "id": 1, "payload": None})[:-1] + b"\x91" * 5000 + b"\xc0"],
+        lambda: submit({"obs": msgpack.Timestamp(1, 2)}),
+        lambda: [P({"v": 1, "op": rng.choice(["ping", "info"]), "id": 1}), f32],
+        lambda: submit({"obs": frame_ref("float32", [1, 32], 0), "extra": 1}, [f32]),  # the plugin refuses it
+        lambda: submit({"obs": frame_ref(rng.choice(["int32", "float64"]), [1, 8], 0)},
+                       [np.ones(8, np.float64).tobytes()]),  # a size mismatch, or a dtype the plugin refuses
+        lambda: submit({"obs": frame_ref("float32", [1, 32], 0)}, [np.full(32, np.nan, np.float32).tobytes()]),
+        lambda: submit({"obs": 1}, timeout_s=rng.choice([0, -1, float("inf"), "1", True, 1e9])),
+        lambda: submit({"obs": 1}, shm_results=rng.choice([1, "yes", None])),
+        lambda: [P({"v": 1, "op": "cancel", "id": 1, "target": rng.choice([None, -5, 1.5, [1]])})],
+        lambda: [b""],
+    ]
+    no_reply = [
+        lambda: [P({"v": 1, "op": "release", "id": 1, "blocks": rng.choice([[["x", 1]], "junk", [[1, 2, 3]],
+                                                                              [[segment, 0]], [[[], {}]]])})],
+    ]
+
+    replies: list[dict] = []
+    bad: list[str] = []
+
+    def drain(wait_ms: int = 0) -> None:
+        while sock.poll(wait_ms, zmq.POLLIN):
+            wait_ms = 0
+            frames = sock.recv_multipart()
+            try:
+                header = msgpack.unpackb(frames[0], raw=False)
+            except Exception as exc:  # noqa: BLE001
+                bad.append(f"undecodable reply: {exc}")
+                continue
+            replies.append(header)
+            err = header.get("error") or {}
+            if header.get("ok") is not False or err.get("type") != "InvalidRequest" \
+                    or "Traceback" in str(err.get("message")):
+                bad.append(repr(header)[:300])
+
+    # one legitimate registration, so that offsets and sizes inside a real segment get checked
+    sock.send_multipart([P({"v": 1, "op": "register", "id": "reg", "run_id": run_id, "segments": [segment]})])
+    if not sock.poll(10_000, zmq.POLLIN):
+        raise SystemExit("no answer to the registration")
+    reg = msgpack.unpackb(sock.recv_multipart()[0], raw=False)
+    if reg.get("ok") is not True:
+        raise SystemExit(f"registration refused: {reg}")
+
+    sent = expected = 0
+    while sent < count:
+        if rng.random() < 0.03:
+            sock.send_multipart(rng.choice(no_reply)())
+        else:
+            sock.send_multipart(rng.choice(kinds)())
+            expected += 1
+        sent += 1
+        if sent % 200 == 0:
+            drain()
+    deadline = time.monotonic() + 60
+    while len(replies) < expected and time.monotonic() < deadline:
+        drain(200)
+
+    # oversized messages: dropped by MAXMSGSIZE with their sender's connection, never answered
+    big = ctx.socket(zmq.DEALER)
+    big.setsockopt(zmq.LINGER, 0)
+    big.connect(address)
+    for _ in range(5):
+        big.send_multipart([P({"v": 1, "op": "submit", "id": 1, "payload": None}), b"\0" * (2 * MAX_MESSAGE_BYTES)])
+    time.sleep(0.5)
+    big.close()
+    sent += 5
+
+    sock.close()
+    ctx.term()
+    arena.close()
+    other.close()
+    print(json.dumps({"sent": sent, "expected_errors": expected, "errors": len(replies), "bad_replies": bad}))
+
+
+# --------------------------------------------------------------------------- examples
+
+
+@pytest.mark.timeout(120)
+def test_client_call_example(server):
+    out = subprocess.run([sys.executable, "examples/client_call.py", "--address", server.address, "--calls", "20"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr
+    assert "mode=local 2 replica(s) x 2 rank(s) on cpu" in out.stdout
+    assert "actions (4, 8, 7) float32" in out.stdout
+    assert "20 calls: p50" in out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_async_client_example(server):
+    out = subprocess.run([sys.executable, "examples/async_client.py", "--address", server.address],
+                         cwd=ROOT, capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr
+    assert "16 concurrent requests" in out.stdout and "actions (1, 8, 7) float32" in out.stdout
+    assert "deadline: DeadlineExceededError" in out.stdout
+
+
+# --------------------------------------------------------------------------- shutdown (last)
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_stops_the_server_and_leaves_nothing(server):
+    with Client(server.address) as client:
+        client.call({"obs": np.ones((2048, 32), np.float32)}, timeout=60)  # shm both ways
+        assert shm_names_of({os.getpid()}) == []  # our segment's name went once the server mapped it
+        code = server.stop(signal.SIGTERM)  # checks processes, segments and the socket file
+    assert code == 0, server.log()
+    assert "ERROR phyrt" not in server.log()  # no replica failed, no server bug was logged
