@@ -38,97 +38,28 @@ import itertools
 import logging
 import multiprocessing
 import os
-import re
 import shutil
-import signal
-import socket
 import tempfile
 import threading
 import time
-import weakref
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import msgpack
-import numpy as np
 import zmq
 
 from runtime import wire
 from runtime.config import EngineArgs, WorkerSupervisorConfig, dtype_name
 from runtime.errors import EngineUnavailableError, ProtocolError, RemoteError, WorkerStartupError
-from runtime.shm import ShmArena, ShmMapper, new_run_id, sweep_stale
+from runtime.shm import ShmArena, ShmMapper, new_run_id, sweep_run, sweep_stale
+from supervisor.groups import GroupState, LockedArena, PendingRequest, RankState, ResultMapper, allocator_free
+from supervisor.processes import check_port_free, describe_exit, stop_ranks, sweep_run_dirs
 
 log = logging.getLogger("phyrt.supervisor")
 
-#: a rank that does not exit this long after SIGTERM gets SIGKILL
-TERM_GRACE_S = 2.0
 #: request and result arenas start this large (pre-faulted) and grow on demand
 ARENA_BYTES = 8 << 20
 _WORKER_TYPES = frozenset({"ready", "startup_error", "done"})
-
-
-@dataclass
-class _Rank:
-    replica: int
-    rank: int
-    device: int
-    process: Any
-    last_beat: float = 0.0  # enforced once the rank is ready; startup_timeout_s covers the start
-    ready: bool = False
-    decoder: Any = None  # the wire decoder for this rank's answers (results map to its arena)
-
-
-@dataclass
-class _Pending:
-    future: Future
-    deadline: float | None
-    ranks_done: set[int] = field(default_factory=set)
-    segments: set[str] = field(default_factory=set)
-    blocks: list[tuple[str, int]] = field(default_factory=list)
-
-
-@dataclass
-class _Group:
-    index: int
-    ranks: list[_Rank]
-    arena: ShmArena
-    arena_lock: threading.Lock = field(default_factory=threading.Lock)
-    pending: dict[int, _Pending] = field(default_factory=dict)
-    failed: str | None = None
-    frees: collections.deque = field(default_factory=collections.deque)
-    inboxes: list = field(default_factory=list)  # one PUSH per rank, used under _submit_lock
-
-
-class _LockedArena:
-    """The allocator wire.pack_message sees: thread-safe, and remembers what it placed."""
-
-    def __init__(self, group: _Group) -> None:
-        self._group = group
-        self.placed: list[tuple[str, int]] = []
-
-    def place(self, nbytes: int) -> tuple[str, int, memoryview]:
-        with self._group.arena_lock:
-            segment, offset, view = self._group.arena.place(nbytes)
-        self.placed.append((segment, offset))
-        return segment, offset, view
-
-    def free(self, segment: str, offset: int) -> None:
-        with self._group.arena_lock:
-            self._group.arena.free(segment, offset)
-
-
-class _ResultMapper:
-    """Maps a rank's result segments; a decoded view frees its block when collected."""
-
-    def __init__(self, mapper: ShmMapper, group: _Group, rank: int) -> None:
-        self._mapper, self._group, self._rank = mapper, group, rank
-
-    def view(self, segment: str, offset: int, nbytes: int) -> memoryview:
-        view = self._mapper.view(segment, offset, nbytes)
-        holder = np.frombuffer(view, dtype=np.uint8)  # weak-referenceable owner of the view
-        weakref.finalize(holder, self._group.frees.append, (self._rank, segment, offset))
-        return memoryview(holder)
 
 
 class WorkerSupervisor:
@@ -146,7 +77,7 @@ class WorkerSupervisor:
         self._startup = threading.Event()
         self._startup_error: BaseException | None = None
         sweep_stale()  # segments of runs whose processes were all killed
-        _sweep_run_dirs()
+        sweep_run_dirs()
         self.run_id = new_run_id()
         # mode 0700; the pid in the name lets a later start remove it if this process is SIGKILLed
         self.run_dir = tempfile.mkdtemp(prefix=f"phyrt-{self.run_id}-{os.getpid()}-")
@@ -155,7 +86,7 @@ class WorkerSupervisor:
         self._unlinked: set[str] = set()  # result segments whose names are already gone
         self._wake_at = 0.0  # when the I/O thread next wakes by itself (monotonic)
         self._ctx = zmq.Context(1)
-        self._groups: list[_Group] = []
+        self._groups: list[GroupState] = []
         success = False
         try:
             self._router = self._ctx.socket(zmq.ROUTER)
@@ -189,7 +120,7 @@ class WorkerSupervisor:
         ranks_per_replica = len(placement[0])
         if ranks_per_replica > 1:
             for i in range(len(placement)):
-                _check_port_free(self.config.base_port + i, i)
+                check_port_free(self.config.base_port + i, i)
         total = sum(len(p) for p in placement)
         # the engine process needs a core's share too (it encodes and copies tensors)
         threads = max(1, (os.cpu_count() or 1) // (total + 1))
@@ -199,7 +130,7 @@ class WorkerSupervisor:
 
         for replica, devices in enumerate(placement):
             arena = ShmArena(self.run_id, ARENA_BYTES)
-            group = _Group(replica, [], arena)
+            group = GroupState(replica, [], arena)
             self._groups.append(group)
             for rank, device in enumerate(devices):
                 inbox = self._ctx.socket(zmq.PUSH)
@@ -222,9 +153,9 @@ class WorkerSupervisor:
                 process = mp.Process(target=worker_main, args=(boot,), name=f"phyrt-r{replica}-{rank}",
                                      daemon=True)
                 process.start()
-                decoder = wire.TensorDecoder(mapper=_ResultMapper(self._mapper, group, rank),
+                decoder = wire.TensorDecoder(mapper=ResultMapper(self._mapper, group, rank),
                                              allow_cuda_ipc=self._cuda)
-                group.ranks.append(_Rank(replica, rank, device, process, decoder=decoder))
+                group.ranks.append(RankState(replica, rank, device, process, decoder=decoder))
 
     def _wait_ready(self) -> None:
         if not self._startup.wait(self.config.startup_timeout_s + 5.0):
@@ -239,11 +170,11 @@ class WorkerSupervisor:
         if group.failed is not None:
             raise EngineUnavailableError(f"replica {replica} is not serving: {group.failed}")
         request_id = next(self._ids)
-        allocator = _LockedArena(group)
+        allocator = LockedArena(group)
         payload = wire.pack_message("request", request_id, payload=request,
                                     tensor_encoder=wire.TensorEncoder(allocator=allocator))
         timeout = self.config.execution_timeout_s
-        pending = _Pending(future, None if timeout is None else time.monotonic() + timeout,
+        pending = PendingRequest(future, None if timeout is None else time.monotonic() + timeout,
                            segments={s for s, _ in allocator.placed}, blocks=allocator.placed)
         with self._submit_lock:
             if self._closed or group.failed is not None:
@@ -261,7 +192,7 @@ class WorkerSupervisor:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._pull, zmq.POLLIN)
-        sentinels: dict[int, _Rank] = {}
+        sentinels: dict[int, RankState] = {}
         for group in self._groups:
             for r in group.ranks:
                 sentinels[r.process.sentinel] = r
@@ -330,7 +261,7 @@ class WorkerSupervisor:
             if len(self._mapper.segments) != len(self._unlinked):
                 self._unlink_mapped()
 
-    def _handle(self, group: _Group, r: _Rank, msg: dict[str, Any]) -> None:
+    def _handle(self, group: GroupState, r: RankState, msg: dict[str, Any]) -> None:
         kind = msg["type"]
         if kind == "ready":
             segments = msg.get("segments")
@@ -353,7 +284,7 @@ class WorkerSupervisor:
         elif kind == "done":
             self._request_done(group, r, msg)
 
-    def _request_done(self, group: _Group, r: _Rank, msg: dict[str, Any]) -> None:
+    def _request_done(self, group: GroupState, r: RankState, msg: dict[str, Any]) -> None:
         pending = group.pending.get(msg["id"])
         if pending is None:
             raise ProtocolError(f"answer to unknown request {msg['id']!r}")
@@ -380,10 +311,10 @@ class WorkerSupervisor:
                 return False
         return True
 
-    def _rank_exited(self, r: _Rank) -> None:
+    def _rank_exited(self, r: RankState) -> None:
         group = self._groups[r.replica]
         if group.failed is None:
-            self._fail_group(group, f"rank {r.rank} {_describe_exit(r.process)}")
+            self._fail_group(group, f"rank {r.rank} {describe_exit(r.process)}")
 
     def _check_deadlines(self, started: float) -> None:
         now = time.monotonic()
@@ -437,7 +368,7 @@ class WorkerSupervisor:
 
     # -- failure -------------------------------------------------------------------
 
-    def _fail_group(self, group: _Group, reason: str, cause: BaseException | None = None) -> None:
+    def _fail_group(self, group: GroupState, reason: str, cause: BaseException | None = None) -> None:
         with self._submit_lock:  # so that no submit slips in between the flag and the swap
             if group.failed is not None:
                 return
@@ -450,7 +381,7 @@ class WorkerSupervisor:
             error = EngineUnavailableError(message)
             error.__cause__ = cause
             _resolve(p.future, error=error)
-        threading.Thread(target=_stop_ranks, args=([r.process for r in group.ranks],),
+        threading.Thread(target=stop_ranks, args=([r.process for r in group.ranks],),
                          name=f"phyrt-reaper-{group.index}", daemon=True).start()
         if not self._startup.is_set():
             error = WorkerStartupError(f"replica {group.index} failed to start: {reason}")
@@ -487,7 +418,7 @@ class WorkerSupervisor:
                                                      wire.pack_message("shutdown", 0)])
                     except zmq.ZMQError:
                         pass
-        _stop_ranks([r.process for g in self._groups for r in g.ranks], polite=True)
+        stop_ranks([r.process for g in self._groups for r in g.ranks], polite=True)
         for group in self._groups:
             group.arena.close()
         self._mapper.close()
@@ -499,14 +430,7 @@ class WorkerSupervisor:
                 getattr(self, sock).close(0)
         self._ctx.term()
         shutil.rmtree(self.run_dir, ignore_errors=True)
-        from runtime.shm import sweep_run
-
         sweep_run(self.run_id)
-
-
-def allocator_free(allocator: _LockedArena) -> None:
-    for segment, offset in allocator.placed:
-        allocator.free(segment, offset)
 
 
 def _resolve(future: Future, result: Any = None, error: BaseException | None = None) -> None:
@@ -530,63 +454,3 @@ def _parse_identity(identity: bytes) -> tuple[str, int | None, int]:
     except (UnicodeDecodeError, ValueError):
         pass
     return "", None, 0
-
-
-def _describe_exit(process: Any) -> str:
-    process.join(0.1)
-    code = process.exitcode
-    if code is None:
-        return "stopped answering"
-    if code < 0:
-        try:
-            return f"was killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-def _stop_ranks(processes: list[Any], polite: bool = False) -> None:
-    """SIGTERM (after a polite shutdown message, a moment to exit), then SIGKILL."""
-    deadline = time.monotonic() + (TERM_GRACE_S if polite else 0.0)
-    for p in processes:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in processes:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + TERM_GRACE_S
-    for p in processes:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in processes:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-
-
-def _sweep_run_dirs() -> None:
-    """Remove run directories left by engine processes that no longer exist."""
-    pattern = re.compile(r"phyrt-[0-9a-f]+-([0-9]+)-")
-    root = tempfile.gettempdir()
-    for name in os.listdir(root):
-        match = pattern.match(name)
-        path = os.path.join(root, name)
-        if match is None or not os.path.isdir(path) or os.stat(path).st_uid != os.getuid():
-            continue
-        pid = int(match.group(1))
-        try:
-            os.kill(pid, 0)
-            continue  # its owner lives (or the pid was reused: leave it, it is only a directory)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except PermissionError:
-            continue
-
-
-def _check_port_free(port: int, replica: int) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError as exc:
-            raise ValueError(
-                f"rendezvous port {port} of replica {replica} (base_port + {replica}) is taken: {exc}; "
-                "set WorkerSupervisorConfig(base_port=...) to a free range"
-            ) from None

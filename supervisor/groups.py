@@ -1,0 +1,86 @@
+"""What the supervisor knows about each replica group: its ranks, its pending
+requests, its request arena, and the adapters that connect the arenas to the wire
+codec (a thread-safe allocator that remembers what one message placed, and a
+mapper whose result views give their block back when garbage-collected).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from runtime.shm import ShmArena, ShmMapper
+
+
+@dataclass
+class RankState:
+    replica: int
+    rank: int
+    device: int
+    process: Any
+    last_beat: float = 0.0  # enforced once the rank is ready; startup_timeout_s covers the start
+    ready: bool = False
+    decoder: Any = None  # the wire decoder for this rank's answers (results map to its arena)
+
+
+@dataclass
+class PendingRequest:
+    future: Future
+    deadline: float | None
+    ranks_done: set[int] = field(default_factory=set)
+    segments: set[str] = field(default_factory=set)
+    blocks: list[tuple[str, int]] = field(default_factory=list)
+
+
+@dataclass
+class GroupState:
+    index: int
+    ranks: list[RankState]
+    arena: ShmArena
+    arena_lock: threading.Lock = field(default_factory=threading.Lock)
+    pending: dict[int, PendingRequest] = field(default_factory=dict)
+    failed: str | None = None
+    frees: collections.deque = field(default_factory=collections.deque)
+    inboxes: list = field(default_factory=list)  # one PUSH per rank, used under _submit_lock
+
+
+class LockedArena:
+    """The allocator wire.pack_message sees: thread-safe, and remembers what it placed."""
+
+    def __init__(self, group: GroupState) -> None:
+        self._group = group
+        self.placed: list[tuple[str, int]] = []
+
+    def place(self, nbytes: int) -> tuple[str, int, memoryview]:
+        with self._group.arena_lock:
+            segment, offset, view = self._group.arena.place(nbytes)
+        self.placed.append((segment, offset))
+        return segment, offset, view
+
+    def free(self, segment: str, offset: int) -> None:
+        with self._group.arena_lock:
+            self._group.arena.free(segment, offset)
+
+
+class ResultMapper:
+    """Maps a rank's result segments; a decoded view frees its block when collected."""
+
+    def __init__(self, mapper: ShmMapper, group: GroupState, rank: int) -> None:
+        self._mapper, self._group, self._rank = mapper, group, rank
+
+    def view(self, segment: str, offset: int, nbytes: int) -> memoryview:
+        view = self._mapper.view(segment, offset, nbytes)
+        holder = np.frombuffer(view, dtype=np.uint8)  # weak-referenceable owner of the view
+        weakref.finalize(holder, self._group.frees.append, (self._rank, segment, offset))
+        return memoryview(holder)
+
+
+def allocator_free(allocator: LockedArena) -> None:
+    for segment, offset in allocator.placed:
+        allocator.free(segment, offset)
