@@ -1,7 +1,9 @@
-"""The light client of ``runtime.server``, and the wire format both sides speak.
+"""The light client of ``runtime.server``: ``Client`` (threads) and ``AsyncClient`` (asyncio).
 
 Needs pyzmq, msgpack and numpy only: torch is used when the caller hands in torch
-tensors or asks for torch results, never imported here otherwise.
+tensors or asks for torch results, never imported here otherwise. The wire, the
+ops and the shared-memory protocol are described in ``runtime.protocol``; the
+errors are in ``runtime.client_errors`` (and importable from here).
 
     caller threads                      I/O thread (owns the DEALER)              server (ROUTER)
     submit(payload) -> Future
@@ -12,56 +14,18 @@ tensors or asks for torch results, never imported here otherwise.
                                         "ping" every heartbeat_interval_s
                                         socket monitor: DISCONNECTED -> in-flight fail
 
-Wire (protocol version 1). Every message is one msgpack header frame, then one raw
-frame per tensor (little-endian, C order). Map keys are str. A tensor inside the
-header is a msgpack extension:
-
-    ext 1  frame   [dtype, shape, index]            bytes are tensor frame ``index``
-                                                    (0 = the first frame after the header);
-                                                    every frame is referenced exactly once
-    ext 2  shm     [segment, offset, dtype, shape]  bytes live in shared memory
-
-dtypes: float16 float32 float64 bfloat16 int8 int16 int32 int64 uint8 bool.
-
-Requests (client -> server), always ``{"v": 1, "op": OP, "id": ID, ...}``; ``ID`` is
-an int in [0, 2**64) or a str of at most 128 characters, chosen by the client and
-unique among that connection's requests in flight:
-
-    submit    payload, [timeout_s: seconds, the request's deadline], [shm_results: bool]
-    cancel    target: the id of a submit (only a request still queued on an inline
-              engine can be cancelled; local replicas run what they were sent)
-    ping      -                       -> {server_id, time}
-    info      -                       -> plugin, topology, replicas' health and
-                                         in-flight counts, versions, limits
-    register  run_id, segments, [pid] -> {run_id, result_run_id, mapped}   (ipc:// only)
-    release   blocks: [[segment, offset], ...]   (no reply)
-
-Replies (server -> client): ``{"v": 1, "op": OP, "id": ID, "ok": true, "result": ...}``
-or ``{..., "ok": false, "error": {"type": T, "message": M}}`` with T one of
-InvalidRequest, DeadlineExceeded, Overloaded, EngineUnavailable, PluginError,
-Cancelled. A message that cannot be parsed gets ``op`` and ``id`` null. A submit
-reply may carry ``inputs_held: true`` (see below). The server may also send
-``{"op": "inputs_done", "id": ID}`` unasked.
-
-Same-host shared memory (ipc:// only). Inputs: the client creates segments in its
-own ``ShmArena`` (run id of its own) and registers each one before the first request
-that refers to it; the server maps only the segments that connection registered,
-checks every offset and size, and unlinks each name right after mapping it, so a
-crash of either side leaves nothing in /dev/shm. A block is reused only once the
-server is done with it: at the request's reply, or, if that reply said
-``inputs_held`` (a deadline fired while the plugin still read the block), at
-``inputs_done``. Results: with ``shm_results`` the server places large result
-tensors in an arena it keeps for that connection; the client copies them out at
-once and sends ``release``, whose first use of a segment also tells the server the
-client has mapped it, so the server unlinks that name. Results are therefore always
-ordinary, writable arrays the caller owns. The server drops a connection's shared
-memory (and unlinks what is left) when the ``pid`` it registered with is gone, or
-after ``client_timeout_s`` of silence (the client pings every heartbeat interval).
+Invariants: only the I/O thread touches the socket; callers hand it frames through
+the outbox and the wake pipe. A request's shared-memory blocks are freed once the
+server is done with them: at its reply, or at ``inputs_done`` when the reply said
+``inputs_held``. Every Future is completed once (``runtime.futures.resolve``).
 
 Failure. A lost connection (the socket monitor's DISCONNECTED, or no word from the
 server for ``heartbeat_timeout_s`` while requests are in flight) fails those
 requests with ``ConnectionLostError``; the socket reconnects by itself, and a
 server restart (a new ``server_id``) starts a fresh shared-memory session.
+
+One module for both clients: ``AsyncClient`` is a thin adapter over ``Client``'s
+I/O thread and futures, and the two are the one public surface of this file.
 """
 
 from __future__ import annotations
@@ -72,22 +36,28 @@ import itertools
 import logging
 import math
 import os
-import sys
 import threading
 import time
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
-import msgpack
-import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from runtime.errors import EngineUnavailableError, PhyrtError, ProtocolError
-from runtime.shm import ShmArena, ShmMapper, new_run_id, sweep_stale
+from runtime.client_errors import (ConnectionLostError, DeadlineExceededError, InvalidRequestError,
+                                   OverloadedError, PluginError, ServerError, ServerUnavailableError,
+                                   error_from_reply)
+from runtime.client_shm import ShmSession
+from runtime.endpoints import load_key
+from runtime.errors import ProtocolError
+from runtime.futures import resolve
+from runtime.protocol import (DEFAULT_SHM_THRESHOLD, PROTOCOL_VERSION, PayloadEncoder, TensorResolver, numpy_tensor,
+                              pack_header, torch_tensor, unpack_header)
+from runtime.shm import sweep_stale
+from runtime.wake_pipe import WakePipe
 
 __all__ = [
     "AsyncClient", "Client", "ConnectionLostError", "DeadlineExceededError", "InvalidRequestError",
@@ -96,357 +66,6 @@ __all__ = [
 
 log = logging.getLogger("phyrt.client")
 
-PROTOCOL_VERSION = 1
-EXT_FRAME, EXT_SHM = 1, 2
-MAX_DEPTH = 32
-MAX_NDIM = 16
-MAX_TENSOR_FRAMES = 256
-MAX_ID_CHARS = 128
-#: tensors at least this large go through shared memory when it is available
-DEFAULT_SHM_THRESHOLD = 64 * 1024
-ERROR_TYPES = ("InvalidRequest", "DeadlineExceeded", "Overloaded", "EngineUnavailable", "PluginError", "Cancelled")
-
-_NP_CODES = {"float16": "<f2", "float32": "<f4", "float64": "<f8", "int8": "i1", "int16": "<i2",
-             "int32": "<i4", "int64": "<i8", "uint8": "u1", "bool": "?"}
-ITEMSIZE = {name: np.dtype(code).itemsize for name, code in _NP_CODES.items()} | {"bfloat16": 2}
-_NP_NAMES = {np.dtype(code): name for name, code in _NP_CODES.items()}
-_CLIENT_ARENA_BYTES = 8 << 20
-
-
-# =========================================================================== errors
-
-
-class ServerError(PhyrtError):
-    """The server answered a request with an error ``{type, message}``."""
-
-    type = "ServerError"
-    #: the id of the request it answers (None when the server could not tell)
-    request_id: Any = None
-
-    @classmethod
-    def for_request(cls, message: str, request_id: Any) -> "ServerError":
-        # one constructor argument only: TimeoutError (an OSError) reads two as errno, strerror
-        error = cls(message)
-        error.request_id = request_id
-        return error
-
-
-class InvalidRequestError(ServerError, ValueError):
-    type = "InvalidRequest"
-
-
-class DeadlineExceededError(ServerError, TimeoutError):
-    type = "DeadlineExceeded"
-
-
-class OverloadedError(ServerError):
-    """More requests were in flight than the server's ``--max-inflight``; retry later."""
-
-    type = "Overloaded"
-
-
-class PluginError(ServerError):
-    type = "PluginError"
-
-
-class ServerUnavailableError(ServerError, EngineUnavailableError):
-    """The server's engine cannot serve (closed, shutting down, no healthy replica)."""
-
-    type = "EngineUnavailable"
-
-
-class ConnectionLostError(ServerUnavailableError):
-    """The connection to the server was lost with the request in flight (client side)."""
-
-    type = "ConnectionLost"
-
-
-_ERROR_CLASSES = {cls.type: cls for cls in (InvalidRequestError, DeadlineExceededError, OverloadedError,
-                                            PluginError, ServerUnavailableError)}
-
-
-def error_from_reply(error: Any, request_id: Any = None) -> ServerError:
-    if not isinstance(error, dict):
-        return ServerError.for_request(f"malformed error reply: {error!r}"[:500], request_id)
-    kind, message = str(error.get("type")), str(error.get("message"))
-    cls = _ERROR_CLASSES.get(kind)
-    if cls is None:
-        return ServerError.for_request(f"{kind}: {message}", request_id)
-    return cls.for_request(message, request_id)
-
-
-# =========================================================================== wire format
-
-
-def is_request_id(value: Any) -> bool:
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, int):
-        return 0 <= value < 2**64
-    return isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS
-
-
-def tensor_parts(obj: Any) -> tuple[str, list[int], np.ndarray] | None:
-    """(dtype name, shape, C-contiguous numpy array of the bytes) for a tensor, else None.
-
-    bfloat16 torch tensors come back as their int16 bit pattern.
-    """
-    if isinstance(obj, np.ndarray):
-        shape = list(obj.shape)
-        arr = obj.astype(obj.dtype.newbyteorder("<")) if obj.dtype.byteorder == ">" else obj
-        name = _NP_NAMES.get(arr.dtype)
-        if name is None:
-            raise TypeError(f"dtype {obj.dtype} cannot be sent; allowed: {sorted(ITEMSIZE)}")
-        return name, shape, np.ascontiguousarray(arr)
-    torch = sys.modules.get("torch")  # a torch tensor implies torch is imported
-    if torch is None or not isinstance(obj, torch.Tensor):
-        return None
-    t = obj.detach()
-    if t.layout != torch.strided:
-        raise TypeError(f"only dense tensors can be sent, got layout {t.layout}")
-    name = str(t.dtype).removeprefix("torch.")
-    if name not in ITEMSIZE:
-        raise TypeError(f"dtype {t.dtype} cannot be sent; allowed: {sorted(ITEMSIZE)}")
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    return name, list(t.shape), (t.view(torch.int16) if name == "bfloat16" else t).numpy()
-
-
-class PayloadEncoder:
-    """Turns a payload into msgpack-ready data; tensors go to ``frames`` or shared memory.
-
-    ``copy=True`` snapshots every tensor (a caller may change its array once submit
-    returns); ``place(nbytes)`` returns ``(segment, offset, view)`` or None.
-    """
-
-    def __init__(self, *, copy: bool, place: Callable[[int], tuple[str, int, memoryview] | None] | None = None,
-                 shm_threshold: int = DEFAULT_SHM_THRESHOLD) -> None:
-        self.copy = copy
-        self.place = place
-        self.shm_threshold = shm_threshold
-        self.frames: list[Any] = []
-        self.blocks: list[tuple[str, int]] = []
-
-    def encode(self, obj: Any, path: str = "payload", depth: int = 0) -> Any:
-        if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
-            return obj
-        if depth >= MAX_DEPTH:
-            raise ValueError(f"{path}: nested deeper than {MAX_DEPTH} levels")
-        if isinstance(obj, dict):
-            out = {}
-            for key, value in obj.items():
-                if not isinstance(key, str):
-                    raise TypeError(f"{path}: map keys must be str, got {key!r}")
-                out[key] = self.encode(value, f"{path}.{key}", depth + 1)
-            return out
-        if isinstance(obj, (list, tuple)):
-            return [self.encode(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(obj)]
-        parts = tensor_parts(obj)
-        if parts is not None:
-            return self._tensor(*parts)
-        if isinstance(obj, (np.bool_, np.integer, np.floating)):
-            return obj.item()
-        if isinstance(obj, (bytearray, memoryview)):
-            return bytes(obj)
-        raise TypeError(f"{path}: cannot send a {type(obj).__name__}")
-
-    def _tensor(self, name: str, shape: list[int], arr: np.ndarray) -> msgpack.ExtType:
-        flat = arr.reshape(-1).view(np.uint8)
-        if self.place is not None and flat.nbytes >= self.shm_threshold:
-            placed = self.place(flat.nbytes)
-            if placed is not None:
-                segment, offset, view = placed
-                self.blocks.append((segment, offset))
-                np.frombuffer(view, dtype=np.uint8)[:] = flat
-                return msgpack.ExtType(EXT_SHM, msgpack.packb([segment, offset, name, shape]))
-        if len(self.frames) >= MAX_TENSOR_FRAMES:
-            raise ValueError(f"a message carries at most {MAX_TENSOR_FRAMES} tensors as frames")
-        self.frames.append(flat.tobytes() if self.copy else memoryview(flat))
-        return msgpack.ExtType(EXT_FRAME, msgpack.packb([name, shape, len(self.frames) - 1]))
-
-
-def pack_header(header: dict[str, Any]) -> bytes:
-    return msgpack.packb(header, use_bin_type=True)
-
-
-@dataclass(frozen=True)
-class _Ext:
-    """A tensor reference as it was read, resolved by ``TensorResolver`` afterwards."""
-
-    code: int
-    data: bytes
-
-
-def _no_timestamps(obj: Any) -> None:
-    if isinstance(obj, msgpack.Timestamp):
-        raise ProtocolError("msgpack timestamps are not allowed")
-
-
-def _str_map(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise ProtocolError("a map has duplicate keys")
-    for key, value in pairs:
-        if not isinstance(key, str):
-            raise ProtocolError(f"map keys must be str, got {type(key).__name__}")
-        _no_timestamps(value)
-    return out
-
-
-def _checked_list(items: list[Any]) -> list[Any]:
-    for item in items:
-        _no_timestamps(item)
-    return items
-
-
-def _unpackb(data: Any, ext_hook: Callable[[int, bytes], Any]) -> Any:
-    # unpackb on one whole frame, every length bounded by the frame: a forged length
-    # fails at once instead of allocating (a streaming Unpacker would wait for more)
-    n = memoryview(data).nbytes
-    return msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True, object_pairs_hook=_str_map,
-                           list_hook=_checked_list, ext_hook=ext_hook, max_str_len=n, max_bin_len=n,
-                           max_array_len=n, max_map_len=n, max_ext_len=n)
-
-
-def unpack_header(data: Any, max_bytes: int) -> dict[str, Any]:
-    """Decode a header frame; tensors stay ``_Ext`` placeholders. ProtocolError if malformed."""
-    n = memoryview(data).nbytes
-    if n > max_bytes:
-        raise ProtocolError(f"header frame of {n} bytes exceeds the limit of {max_bytes}")
-    try:
-        msg = _unpackb(data, _Ext)
-    except ProtocolError:
-        raise
-    except Exception as exc:  # untrusted input: any failure to decode is a protocol failure
-        raise ProtocolError(f"malformed header: {type(exc).__name__}: {exc}") from None
-    if not isinstance(msg, dict):
-        raise ProtocolError(f"a header must be a msgpack map, got {type(msg).__name__}")
-    if msg.get("v") != PROTOCOL_VERSION or isinstance(msg.get("v"), bool):
-        raise ProtocolError(f"protocol version {msg.get('v')!r} is not {PROTOCOL_VERSION}, the one this side speaks")
-    return msg
-
-
-def _check_shape(shape: Any) -> list[int]:
-    if not isinstance(shape, list) or len(shape) > MAX_NDIM:
-        raise ProtocolError(f"tensor shape must be a list of at most {MAX_NDIM} ints, got {shape!r}"[:300])
-    for d in shape:
-        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < 2**40:
-            raise ProtocolError(f"tensor shape entries must be ints in [0, 2**40), got {shape!r}"[:300])
-    return shape
-
-
-def _check_dtype(name: Any) -> str:
-    if not isinstance(name, str) or name not in ITEMSIZE:
-        raise ProtocolError(f"tensor dtype {name!r} is not allowed; allowed: {sorted(ITEMSIZE)}"[:300])
-    return name
-
-
-class TensorResolver:
-    """Replaces ``_Ext`` placeholders by tensors built with ``make(buffer, dtype, shape)``.
-
-    ``frames``: the message's tensor frames; ``shm_view(segment, offset, nbytes)``
-    returns a bounds-checked view or raises ProtocolError (None: shm refused).
-    """
-
-    def __init__(self, frames: Sequence[Any], make: Callable[[memoryview, str, list[int]], Any],
-                 shm_view: Callable[[str, int, int], memoryview] | None = None) -> None:
-        self.frames = frames
-        self.make = make
-        self.shm_view = shm_view
-        self.used = [False] * len(frames)
-        self.shm_blocks: list[tuple[str, int]] = []
-
-    def resolve(self, obj: Any, depth: int = 0) -> Any:
-        if depth > MAX_DEPTH:
-            raise ProtocolError(f"nested deeper than {MAX_DEPTH} levels")
-        if isinstance(obj, _Ext):
-            return self._tensor(obj)
-        if isinstance(obj, dict):
-            for key, value in obj.items():
-                if isinstance(value, (_Ext, dict, list)):
-                    obj[key] = self.resolve(value, depth + 1)
-        elif isinstance(obj, list):
-            for i, value in enumerate(obj):
-                if isinstance(value, (_Ext, dict, list)):
-                    obj[i] = self.resolve(value, depth + 1)
-        return obj
-
-    def finish(self) -> None:
-        unused = [i for i, used in enumerate(self.used) if not used]
-        if unused:
-            raise ProtocolError(f"tensor frames {unused[:8]} are not referenced by the header")
-
-    def _tensor(self, ext: _Ext) -> Any:
-        try:
-            body = _unpackb(ext.data, _reject_ext)
-        except ProtocolError:
-            raise
-        except Exception as exc:
-            raise ProtocolError(f"malformed tensor reference: {type(exc).__name__}: {exc}") from None
-        if ext.code == EXT_FRAME:
-            if not isinstance(body, list) or len(body) != 3:
-                raise ProtocolError("a frame tensor must be [dtype, shape, index]")
-            name, shape, index = _check_dtype(body[0]), _check_shape(body[1]), body[2]
-            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(self.frames):
-                raise ProtocolError(f"tensor frame index {index!r} is out of range ({len(self.frames)} frames)"[:300])
-            if self.used[index]:
-                raise ProtocolError(f"tensor frame {index} is referenced twice")
-            self.used[index] = True
-            buf = _buffer(self.frames[index])
-            nbytes = math.prod(shape) * ITEMSIZE[name]
-            if buf.nbytes != nbytes:
-                raise ProtocolError(f"tensor of shape {shape} and dtype {name} needs {nbytes} bytes, "
-                                    f"frame {index} has {buf.nbytes}")
-        elif ext.code == EXT_SHM:
-            if not isinstance(body, list) or len(body) != 4:
-                raise ProtocolError("a shared-memory tensor must be [segment, offset, dtype, shape]")
-            segment, offset = body[0], body[1]
-            name, shape = _check_dtype(body[2]), _check_shape(body[3])
-            if not isinstance(segment, str) or isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-                raise ProtocolError(f"bad shared-memory reference {body!r}"[:300])
-            if offset % ITEMSIZE[name]:
-                raise ProtocolError(f"offset {offset} is not aligned to the {name} element size")
-            if self.shm_view is None:
-                raise ProtocolError("a shared-memory tensor arrived, but this connection has none registered")
-            nbytes = math.prod(shape) * ITEMSIZE[name]
-            buf = self.shm_view(segment, offset, nbytes)
-            self.shm_blocks.append((segment, offset))
-        else:
-            raise ProtocolError(f"unknown extension type {ext.code}")
-        if name == "bool" and nbytes and np.frombuffer(buf, dtype=np.uint8).max() > 1:
-            raise ProtocolError("a bool tensor holds bytes other than 0 and 1")
-        return self.make(buf, name, shape)
-
-
-def _reject_ext(code: int, data: bytes) -> Any:
-    raise ProtocolError(f"extension type {code} is not allowed inside a tensor reference")
-
-
-def _buffer(frame: Any) -> memoryview:
-    buf = frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
-    return buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
-
-
-def numpy_tensor(buf: memoryview, name: str, shape: list[int]) -> np.ndarray:
-    """A writable copy the caller owns."""
-    if name == "bfloat16":
-        raise ProtocolError("bfloat16 has no numpy dtype; use Client(..., tensor_type='torch')")
-    return np.frombuffer(buf, dtype=_NP_CODES[name], count=math.prod(shape)).reshape(shape).copy()
-
-
-def torch_tensor(buf: memoryview, name: str, shape: list[int]) -> Any:
-    import torch
-
-    if name == "bfloat16":
-        if not math.prod(shape):
-            return torch.empty(shape, dtype=torch.bfloat16)
-        return torch.frombuffer(bytearray(buf), dtype=torch.bfloat16).reshape(shape)
-    return torch.from_numpy(numpy_tensor(buf, name, shape))
-
-
-# =========================================================================== client
-
 
 @dataclass
 class _Pending:
@@ -454,53 +73,7 @@ class _Pending:
     op: str
     sent_at: float
     blocks: list[tuple[str, int]] = field(default_factory=list)
-    session: "_ShmSession | None" = None
-
-
-class _ShmSession:
-    """One server instance's shared memory on this client: our input arena, its result arena."""
-
-    def __init__(self, server_id: str) -> None:
-        self.server_id = server_id
-        self.run_id = new_run_id()
-        self.arena: ShmArena | None = None
-        self.registered: set[str] = set()
-        self.result_mapper: ShmMapper | None = None
-        self.refused = False
-        self.closed = False
-
-    def free(self, blocks: list[tuple[str, int]]) -> None:
-        if self.arena is not None:
-            for segment, offset in blocks:
-                self.arena.free(segment, offset)  # a no-op once the arena is closed
-
-    def result_view(self, segment: str, offset: int, nbytes: int) -> memoryview:
-        if self.result_mapper is None:
-            raise ProtocolError("a shared-memory result arrived before this client registered")
-        return self.result_mapper.view(segment, offset, nbytes)
-
-    def close(self) -> None:
-        self.closed = True
-        if self.arena is not None:
-            self.arena.close()
-        if self.result_mapper is not None:
-            self.result_mapper.close()
-
-
-def _load_key(value: str | bytes | None, secret: bool) -> bytes | None:
-    """A CURVE key: 40 z85 characters, or a key file of ``zmq.auth.create_certificates``."""
-    if value is None:
-        return None
-    raw = value.encode() if isinstance(value, str) else bytes(value)
-    if len(raw) == 40:
-        return raw
-    import zmq.auth
-
-    public, secret_key = zmq.auth.load_certificate(os.fsdecode(raw))
-    key = secret_key if secret else public
-    if key is None:
-        raise ValueError(f"{os.fsdecode(raw)} holds no secret key")
-    return key
+    session: "ShmSession | None" = None
 
 
 class Client:
@@ -535,9 +108,9 @@ class Client:
         self._lock = threading.Lock()  # pending, outbox order, closed
         self._shm_lock = threading.Lock()  # the session and its arena
         self._pending: dict[int, _Pending] = {}
-        self._held: dict[int, tuple[_ShmSession, list[tuple[str, int]]]] = {}
+        self._held: dict[int, tuple[ShmSession, list[tuple[str, int]]]] = {}
         self._outbox: collections.deque[list[Any]] = collections.deque()
-        self._session: _ShmSession | None = None
+        self._session: ShmSession | None = None
         self._server_id: str | None = None
         self._last_heard = time.monotonic()
         self._closed = False
@@ -556,12 +129,12 @@ class Client:
             self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
             self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
             if server_public_key is not None:
-                self._sock.curve_serverkey = _load_key(server_public_key, secret=False)
-                own_secret = _load_key(secret_key, secret=True)
+                self._sock.curve_serverkey = load_key(server_public_key, secret=False)
+                own_secret = load_key(secret_key, secret=True)
                 if own_secret is None:
                     raise ValueError("CURVE needs this client's secret_key too (public_key is derived from it)")
                 self._sock.curve_secretkey = own_secret
-                self._sock.curve_publickey = _load_key(public_key, secret=False) or zmq.curve_public(own_secret)
+                self._sock.curve_publickey = load_key(public_key, secret=False) or zmq.curve_public(own_secret)
             self._monitor = self._sock.get_monitor_socket(
                 zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                 | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -573,8 +146,7 @@ class Client:
                     self._monitor.close(0)
                 self._sock.close(0)
                 self._ctx.term()
-        self._wake_lock = threading.Lock()
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake_pipe = WakePipe()
         self._thread = threading.Thread(target=self._run, name="phyrt-client", daemon=True)
         self._thread.start()
 
@@ -652,15 +224,12 @@ class Client:
         self._wake()
         self._thread.join(10)
         for p in pending.values():
-            _resolve(p.future, error=ConnectionLostError(f"the client of {self.address} was closed"))
+            resolve(p.future, error=ConnectionLostError(f"the client of {self.address} was closed"))
         with self._shm_lock:
             if self._session is not None:
                 self._session.close()
                 self._session = None
-        with self._wake_lock:
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-            self._wake_w = None
+        self._wake_pipe.close()
         self._ctx.term()
 
     def __enter__(self) -> "Client":
@@ -691,19 +260,14 @@ class Client:
             self._outbox.append(frames)
         self._wake()
 
-    def _place(self, session: _ShmSession, nbytes: int) -> tuple[str, int, memoryview] | None:
+    def _place(self, session: ShmSession, nbytes: int) -> tuple[str, int, memoryview] | None:
         """A block of our arena for a request tensor; registers a new segment before its first use."""
         with self._shm_lock:
-            if session is not self._session or session.closed or session.refused or session.result_mapper is None:
+            if session is not self._session or not session.usable:
                 return None
-            if session.arena is None:
-                session.arena = ShmArena(session.run_id, max(_CLIENT_ARENA_BYTES, 2 * nbytes))
-            segment, offset, view = session.arena.place(nbytes)
-            if segment not in session.registered:
-                # queued under the shm lock: no request using this segment can be queued before it
-                session.registered.add(segment)
-                self._outbox.append([pack_header({"v": PROTOCOL_VERSION, "op": "register", "id": "register",
-                                                  "run_id": session.run_id, "segments": [segment]})])
+            segment, offset, view, new = session.place(nbytes)
+            if new:  # queued under the shm lock: no request using this segment can be queued before it
+                self._outbox.append([_register_header(session, [segment])])
             return segment, offset, view
 
     def _on_future_done(self, future: Future) -> None:
@@ -715,12 +279,7 @@ class Client:
                 self._wake()
 
     def _wake(self) -> None:
-        with self._wake_lock:  # never write to the descriptor number after close() gave it back
-            if self._wake_w is not None:
-                try:
-                    os.write(self._wake_w, b"\0")
-                except BlockingIOError:  # the pipe is full: a wake-up is pending anyway
-                    pass
+        self._wake_pipe.wake()  # a no-op once close() gave the descriptors back
 
     # -- the I/O thread -------------------------------------------------------------
 
@@ -728,7 +287,7 @@ class Client:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._wake_pipe.fd, zmq.POLLIN)
         next_beat = time.monotonic()
         try:
             while not self._closed:
@@ -737,8 +296,8 @@ class Client:
                     self._heartbeat(now)
                     next_beat = now + self._hb_interval
                 events = dict(poller.poll(max(0.0, next_beat - now) * 1000 + 1))
-                if self._wake_r in events:
-                    _drain_pipe(self._wake_r)
+                if self._wake_pipe.fd in events:
+                    self._wake_pipe.drain()
                 self._flush_outbox()
                 if self._sock in events:
                     self._drain_replies()
@@ -771,7 +330,7 @@ class Client:
         if p is not None:
             if p.session is not None:
                 p.session.free(p.blocks)
-            _resolve(p.future, error=ConnectionLostError.for_request(f"{reason}: {self.address}", request_id))
+            resolve(p.future, error=ConnectionLostError.for_request(f"{reason}: {self.address}", request_id))
 
     def _heartbeat(self, now: float) -> None:
         try:
@@ -786,7 +345,7 @@ class Client:
         for request_id, p in silent:
             if p.blocks and p.session is not None:  # the server may still read them: wait for its word
                 self._held[request_id] = (p.session, p.blocks)
-            _resolve(p.future, error=ConnectionLostError.for_request(
+            resolve(p.future, error=ConnectionLostError.for_request(
                 f"no word from the server at {self.address} for more than {self._hb_timeout} s "
                 f"(heartbeat_timeout_s) while request {request_id} was in flight", request_id))
 
@@ -845,10 +404,10 @@ class Client:
             err = header.get("error")
             if isinstance(err, dict) and err.get("type") == "Cancelled":
                 if not p.future.cancel():
-                    _resolve(p.future, error=ServerError.for_request(f"Cancelled: {err.get('message')}", request_id))
+                    resolve(p.future, error=ServerError.for_request(f"Cancelled: {err.get('message')}", request_id))
                 return
             error = error_from_reply(err, request_id)
-        _resolve(p.future, result=result, error=error)
+        resolve(p.future, result=result, error=error)
 
     def _on_server_id(self, server_id: Any) -> None:
         if not isinstance(server_id, str) or server_id == self._server_id:
@@ -858,10 +417,8 @@ class Client:
         self._server_id = server_id
         if self._shm:
             with self._shm_lock:
-                self._session = _ShmSession(server_id)
-                self._sock.send(pack_header({"v": PROTOCOL_VERSION, "op": "register", "id": "register",
-                                             "run_id": self._session.run_id, "segments": [],
-                                             "pid": os.getpid()}), zmq.NOBLOCK)
+                self._session = ShmSession(server_id)
+                self._sock.send(_register_header(self._session, [], pid=os.getpid()), zmq.NOBLOCK)
 
     def _on_registered(self, header: dict[str, Any]) -> None:
         result = header.get("result")
@@ -873,11 +430,7 @@ class Client:
                     log.warning("the server at %s refused shared memory (%s); tensors go as frames",
                                 self.address, header.get("error"))
                 return
-            if session.result_mapper is None and isinstance(result.get("result_run_id"), str):
-                session.result_mapper = ShmMapper(result["result_run_id"])
-            for segment in result.get("mapped") or []:
-                if session.arena is not None and segment in session.arena.segments:
-                    session.arena.unlink(segment)  # the server unlinked it already; this makes sure
+            session.on_registered(result)
 
     def _drain_monitor(self) -> None:
         while True:
@@ -900,7 +453,7 @@ class Client:
         self._server_id = None
         self._held.clear()
         for request_id, p in pending.items():
-            _resolve(p.future, error=ConnectionLostError.for_request(
+            resolve(p.future, error=ConnectionLostError.for_request(
                 f"{reason} while request {request_id} was in flight (the client reconnects by itself; "
                 "send it again)", request_id))
         if session is not None:
@@ -908,28 +461,9 @@ class Client:
             sweep_stale()  # the server's unreleased result segments, if it was killed
 
 
-def _drain_pipe(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except BlockingIOError:
-        pass
-
-
-def _resolve(future: Future, result: Any = None, error: BaseException | None = None) -> None:
-    """Complete ``future`` unless something already did (never twice, never raising)."""
-    if future.done():
-        return
-    try:
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-    except Exception:  # lost a race with a canceller
-        pass
-
-
-# =========================================================================== asyncio
+def _register_header(session: ShmSession, segments: list[str], **extra: Any) -> bytes:
+    return pack_header({"v": PROTOCOL_VERSION, "op": "register", "id": "register", "run_id": session.run_id,
+                        "segments": segments, **extra})
 
 
 class AsyncClient:

@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = parser.add_argument_group("serving")
     serve.add_argument("--address", default=None,
                        help="ipc:///path/in/a/0700/dir or tcp://HOST:PORT (default: ipc:// in a new private dir)")
+    serve.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                       help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port; needs "
+                            "prometheus-client, pip install 'phyrt[serve]')")
+    serve.add_argument("--metrics-host", default="127.0.0.1", help="interface of the metrics endpoint")
     serve.add_argument("--max-inflight", type=_positive_int, default=256,
                        help="requests the engine may hold; beyond, requests get Overloaded at once")
     serve.add_argument("--max-message-bytes", type=_positive_int, default=64 << 20,
@@ -180,11 +184,10 @@ def curve_keys(opts: argparse.Namespace) -> Any:
         return None
     import zmq
 
-    from runtime.client import _load_key
-    from runtime.server import CurveKeys
+    from runtime.endpoints import CurveKeys, load_key
 
-    secret = _load_key(opts.curve_secret_key, secret=True)
-    public = _load_key(opts.curve_public_key, secret=False) or zmq.curve_public(secret)
+    secret = load_key(opts.curve_secret_key, secret=True)
+    public = load_key(opts.curve_public_key, secret=False) or zmq.curve_public(secret)
     if zmq.curve_public(secret) != public:
         raise ValueError("--curve-public-key does not belong to --curve-secret-key")
     if opts.curve_authorized_clients is not None and not os.path.isdir(opts.curve_authorized_clients):
@@ -208,11 +211,11 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, interrupt_start)
     signal.signal(signal.SIGINT, interrupt_start)
-    private_dir = engine = server = None
+    private_dir = engine = server = metrics_http = None
     started = time.monotonic()
     try:
         address, private_dir = resolve_address(opts.address)
-        from runtime.server import check_address
+        from runtime.endpoints import check_address
 
         curve = curve_keys(opts)
         check_address(address, curve is not None)  # before minutes of start-up, not after
@@ -230,8 +233,18 @@ def main(argv: list[str] | None = None) -> int:
 
         topology = _topology(engine)
         log.info("engine ready in %.1f s; binding %s", time.monotonic() - started, address)
+        metrics = None
+        if opts.metrics_port is not None:
+            from runtime.metrics import ServerMetrics, start_metrics_server
+
+            served = engine
+            metrics_http = start_metrics_server(opts.metrics_port, opts.metrics_host,
+                                                ServerMetrics(replicas=lambda: served.replicas))
+            metrics = metrics_http.metrics
+            log.info("metrics on %s", metrics_http.url)
         server = Server(engine, address, max_inflight=opts.max_inflight, max_message_bytes=opts.max_message_bytes,
-                        curve=curve, info={"device": topology["device"], "backend": topology["backend"]})
+                        curve=curve, info={"device": topology["device"], "backend": topology["backend"]},
+                        metrics=metrics)
         engine = None  # the server owns it now
         handler = _stop_handler(server, stop)
         signal.signal(signal.SIGTERM, handler)
@@ -239,20 +252,22 @@ def main(argv: list[str] | None = None) -> int:
         server.start()
     except _Interrupted as exc:
         log.info("%s while starting: stopped", exc)
-        _cleanup(engine, server, private_dir, 0.0)
+        _cleanup(engine, server, private_dir, 0.0, metrics_http)
         return 0
     except Exception as exc:
         log.error("startup failed: %s: %s", type(exc).__name__, exc)
         log.debug("startup failure in detail", exc_info=True)
-        _cleanup(engine, server, private_dir, 0.0)
+        _cleanup(engine, server, private_dir, 0.0, metrics_http)
         return 1
 
     fields = {"address": server.address, **{k: topology[k] for k in
               ("mode", "replicas", "ranks_per_replica", "device", "backend", "plugin")}, "pid": os.getpid()}
+    if metrics_http is not None:
+        fields["metrics"] = metrics_http.url
     print("phyrt ready " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
     stop.wait()
     log.info("stopping: %d request(s) in flight, draining for up to %.1f s", server.inflight, opts.drain_timeout_s)
-    _cleanup(None, server, private_dir, opts.drain_timeout_s)
+    _cleanup(None, server, private_dir, opts.drain_timeout_s, metrics_http)
     log.info("stopped")
     return 0
 
@@ -270,13 +285,16 @@ def _stop_handler(server: Any, stop: threading.Event) -> Any:
     return handle
 
 
-def _cleanup(engine: Any, server: Any, private_dir: str | None, drain_timeout_s: float) -> None:
+def _cleanup(engine: Any, server: Any, private_dir: str | None, drain_timeout_s: float,
+             metrics_http: Any = None) -> None:
     try:
         if server is not None:
             server.close(drain_timeout_s)
         elif engine is not None:
             engine.close()
     finally:
+        if metrics_http is not None:
+            metrics_http.close()
         if private_dir is not None:
             shutil.rmtree(private_dir, ignore_errors=True)
 

@@ -1,0 +1,82 @@
+"""The errors a ``Client`` raises: a server's error reply, or a lost connection.
+
+Leaf module: imports nothing from the project but ``runtime.errors``, nothing
+beyond the standard library, so that the torch-free client and the server share
+these types. ``type`` is the name a reply's ``error.type`` carries on the wire
+(see ``runtime.protocol``):
+
+    ServerError                         any error reply; an unknown type keeps its name
+    ├── InvalidRequestError (ValueError)        InvalidRequest
+    ├── DeadlineExceededError (TimeoutError)    DeadlineExceeded
+    ├── OverloadedError                         Overloaded
+    ├── PluginError                             PluginError
+    └── ServerUnavailableError                  EngineUnavailable
+        │   (also runtime.errors.EngineUnavailableError)
+        └── ConnectionLostError                 raised by the client itself, never sent
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.errors import EngineUnavailableError, PhyrtError
+
+
+class ServerError(PhyrtError):
+    """The server answered a request with an error ``{type, message}``."""
+
+    type = "ServerError"
+    #: the id of the request it answers (None when the server could not tell)
+    request_id: Any = None
+
+    @classmethod
+    def for_request(cls, message: str, request_id: Any) -> "ServerError":
+        # one constructor argument only: TimeoutError (an OSError) reads two as errno, strerror
+        error = cls(message)
+        error.request_id = request_id
+        return error
+
+
+class InvalidRequestError(ServerError, ValueError):
+    type = "InvalidRequest"
+
+
+class DeadlineExceededError(ServerError, TimeoutError):
+    type = "DeadlineExceeded"
+
+
+class OverloadedError(ServerError):
+    """More requests were in flight than the server's ``--max-inflight``; retry later."""
+
+    type = "Overloaded"
+
+
+class PluginError(ServerError):
+    type = "PluginError"
+
+
+class ServerUnavailableError(ServerError, EngineUnavailableError):
+    """The server's engine cannot serve (closed, shutting down, no healthy replica)."""
+
+    type = "EngineUnavailable"
+
+
+class ConnectionLostError(ServerUnavailableError):
+    """The connection to the server was lost with the request in flight (client side)."""
+
+    type = "ConnectionLost"
+
+
+_ERROR_CLASSES = {cls.type: cls for cls in (InvalidRequestError, DeadlineExceededError, OverloadedError,
+                                            PluginError, ServerUnavailableError)}
+
+
+def error_from_reply(error: Any, request_id: Any = None) -> ServerError:
+    """The exception for a reply's ``error`` field (a malformed one becomes a plain ServerError)."""
+    if not isinstance(error, dict):
+        return ServerError.for_request(f"malformed error reply: {error!r}"[:500], request_id)
+    kind, message = str(error.get("type")), str(error.get("message"))
+    cls = _ERROR_CLASSES.get(kind)
+    if cls is None:
+        return ServerError.for_request(f"{kind}: {message}", request_id)
+    return cls.for_request(message, request_id)

@@ -1,0 +1,77 @@
+"""A client's shared memory with one server instance (ipc:// only; see runtime.protocol).
+
+Imports only ``runtime.errors`` and ``runtime.shm`` from the project; no torch.
+
+    Client (caller threads, under its shm lock)        server
+    place(n) -> block of our arena; a new segment  -->  register [segment]  (before the
+               must be registered first                 first request that uses it)
+    on_registered(result) <-- {result_run_id, mapped}:  map its result arena; unlink
+                                                        our names it has mapped
+    result_view(segment, offset, n)               <--  results placed in its arena
+    free(blocks): the server is done with them
+
+A session belongs to one ``server_id``: a restarted server gets a new session, and
+``close()`` unlinks and unmaps what this one holds. The caller serialises every
+call but ``free`` and ``result_view`` (the arena and the mapper lock themselves).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.errors import ProtocolError
+from runtime.shm import ShmArena, ShmMapper, new_run_id
+
+_CLIENT_ARENA_BYTES = 8 << 20
+
+
+class ShmSession:
+    """One server instance's shared memory on this client: our input arena, its result arena."""
+
+    def __init__(self, server_id: str) -> None:
+        self.server_id = server_id
+        self.run_id = new_run_id()
+        self.arena: ShmArena | None = None
+        self.registered: set[str] = set()
+        self.result_mapper: ShmMapper | None = None
+        self.refused = False
+        self.closed = False
+
+    @property
+    def usable(self) -> bool:
+        """The server took our registration and may be sent shared-memory tensors."""
+        return not self.closed and not self.refused and self.result_mapper is not None
+
+    def place(self, nbytes: int) -> tuple[str, int, memoryview, bool]:
+        """A block for a request tensor, and whether its segment is new (register it first)."""
+        if self.arena is None:
+            self.arena = ShmArena(self.run_id, max(_CLIENT_ARENA_BYTES, 2 * nbytes))
+        segment, offset, view = self.arena.place(nbytes)
+        new = segment not in self.registered
+        self.registered.add(segment)
+        return segment, offset, view, new
+
+    def on_registered(self, result: dict[str, Any]) -> None:
+        """The server's answer to a ``register`` of this session's run id."""
+        if self.result_mapper is None and isinstance(result.get("result_run_id"), str):
+            self.result_mapper = ShmMapper(result["result_run_id"])
+        for segment in result.get("mapped") or []:
+            if self.arena is not None and segment in self.arena.segments:
+                self.arena.unlink(segment)  # the server unlinked it already; this makes sure
+
+    def free(self, blocks: list[tuple[str, int]]) -> None:
+        if self.arena is not None:
+            for segment, offset in blocks:
+                self.arena.free(segment, offset)  # a no-op once the arena is closed
+
+    def result_view(self, segment: str, offset: int, nbytes: int) -> memoryview:
+        if self.result_mapper is None:
+            raise ProtocolError("a shared-memory result arrived before this client registered")
+        return self.result_mapper.view(segment, offset, nbytes)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.arena is not None:
+            self.arena.close()
+        if self.result_mapper is not None:
+            self.result_mapper.close()

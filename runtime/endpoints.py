@@ -1,0 +1,75 @@
+"""Where a server may listen, and the CURVE keys that guard it.
+
+Leaf module: imports nothing from the project, and pyzmq's ``zmq.auth`` only
+when a key file is read, so that the torch-free client loads its keys from here too.
+
+Policy (``check_address``), see also ``python -m runtime.launch --help``:
+- ipc:///path: an absolute path in a directory of this user with mode 0700
+  (abstract sockets have no permission check, so they are refused);
+- tcp://HOST:PORT: a loopback HOST, or any HOST with CURVE keys.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import stat
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """The server's CURVE pair (z85) and, optionally, a directory of allowed client public keys."""
+
+    public: bytes
+    secret: bytes
+    authorized_clients: str | None = None
+
+
+def load_key(value: str | bytes | None, secret: bool) -> bytes | None:
+    """A CURVE key: 40 z85 characters, or a key file of ``zmq.auth.create_certificates``."""
+    if value is None:
+        return None
+    raw = value.encode() if isinstance(value, str) else bytes(value)
+    if len(raw) == 40:
+        return raw
+    import zmq.auth
+
+    public, secret_key = zmq.auth.load_certificate(os.fsdecode(raw))
+    key = secret_key if secret else public
+    if key is None:
+        raise ValueError(f"{os.fsdecode(raw)} holds no secret key")
+    return key
+
+
+def check_address(address: str, curve: bool) -> None:
+    """Refuse endpoints that would expose the server: see the module docstring of runtime.launch."""
+    if address.startswith("ipc://"):
+        path = address[len("ipc://"):]
+        if path.startswith("@") or not path.startswith("/"):
+            raise ValueError(f"{address}: use an absolute ipc:// path (abstract sockets have no permission check)")
+        parent = os.path.dirname(path)
+        try:
+            st = os.stat(parent)
+        except FileNotFoundError:
+            raise ValueError(f"{address}: the directory {parent} does not exist") from None
+        if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            raise ValueError(f"{address}: the directory {parent} must belong to this user and be private "
+                             f"(mode 0700, it is {stat.S_IMODE(st.st_mode):o}); mkdir -m 700 one")
+        return
+    if address.startswith("tcp://"):
+        host = address[len("tcp://"):].rpartition(":")[0].strip("[]")
+        if not _is_loopback(host) and not curve:
+            raise ValueError(f"{address}: binding a non-loopback interface needs CURVE keys "
+                             "(--curve-secret-key and --curve-public-key); use tcp://127.0.0.1:PORT for this host only")
+        return
+    raise ValueError(f"address must be ipc:///path or tcp://host:port, got {address!r}")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # "*", an interface or host name: not provably loopback
+        return False

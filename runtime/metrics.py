@@ -1,0 +1,207 @@
+"""Prometheus metrics of a serving process: what ``--metrics-port`` exposes.
+
+Imports nothing from the project. Needs ``prometheus-client`` (the ``serve`` extra)
+only once a ``ServerMetrics`` is made or a metrics server is started, so importing
+this module, and ``NullMetrics``, works without it.
+
+    server I/O thread                     ServerMetrics (thread-safe)         HTTP thread
+    message decoded  -> on_request(op)    phyrt_requests_total{op}
+    reply sent       -> on_reply(ok,      phyrt_errors_total{type}
+                          error_type, s)  phyrt_request_duration_seconds{op}
+    housekeeping     -> observe_replicas  replica snapshot            <- GET /metrics (scrape):
+                        (or ``replicas=``, a callable read at scrape)     phyrt_replica_inflight{replica}
+                                                                          phyrt_replica_healthy{replica}
+
+Label values are bounded: ops other than the protocol's and error types other than
+the protocol's are counted as ``other``, so a hostile client cannot grow the label
+set. ``on_request`` and ``on_reply`` cost a few microseconds (1.5 and 3 µs on a busy
+2-core machine: a lock and an add, plus a bucket search); a scrape holds each lock
+only to read a value, so it never stalls the server's I/O thread.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from socketserver import ThreadingMixIn
+from typing import Any, Callable, Iterable
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+__all__ = ["ERROR_TYPES", "OPS", "MetricsServer", "NullMetrics", "ServerMetrics", "start_metrics_server"]
+
+#: the protocol's ops (runtime.client's docstring); anything else is counted as "other"
+OPS = ("submit", "cancel", "ping", "info", "register", "release")
+#: the protocol's error types (runtime.client.ERROR_TYPES); anything else is counted as "other"
+ERROR_TYPES = ("InvalidRequest", "DeadlineExceeded", "Overloaded", "EngineUnavailable", "PluginError", "Cancelled")
+#: request durations from 100 µs (a small request on the same host) to a minute (a long generation)
+LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0, 60.0)
+_INSTALL = "prometheus-client is needed for metrics: pip install prometheus-client (or phyrt[serve])"
+
+
+def _prometheus() -> Any:
+    try:
+        import prometheus_client
+    except ImportError as exc:
+        raise ImportError(_INSTALL) from exc
+    return prometheus_client
+
+
+class NullMetrics:
+    """The recorder when metrics are off: the same methods, doing nothing."""
+
+    def on_request(self, op: Any) -> None:
+        pass
+
+    def on_reply(self, ok: bool, error_type: str | None, seconds: float, *, op: str = "submit") -> None:
+        pass
+
+    def observe_replicas(self, statuses: Iterable[Any]) -> None:
+        pass
+
+
+class ServerMetrics:
+    """The recorder a server calls, and the registry a metrics server exposes.
+
+    ``replicas``: optional callable returning the replicas' statuses (objects with
+    ``index``, ``healthy``, ``inflight``, like ``Engine.replicas``, or dicts with those
+    keys, like ``info()["replicas"]``); it is read at each scrape, on the HTTP thread.
+    Without it, the replica gauges show what ``observe_replicas`` was last given.
+    """
+
+    def __init__(self, *, replicas: Callable[[], Iterable[Any]] | None = None, registry: Any = None) -> None:
+        prom = _prometheus()
+        self.registry = registry if registry is not None else prom.CollectorRegistry()
+        self._replica_source = replicas
+        self._replicas: list[tuple[str, bool, int]] = []
+        self._lock = threading.Lock()  # the replica snapshot
+        requests = prom.Counter("phyrt_requests", "Messages received, by op (unparseable or unknown: other).",
+                                ["op"], registry=self.registry)
+        errors = prom.Counter("phyrt_errors", "Error replies, by error type.", ["type"], registry=self.registry)
+        latency = prom.Histogram("phyrt_request_duration_seconds",
+                                 "From a request's arrival to its reply being sent, by op.", ["op"],
+                                 buckets=LATENCY_BUCKETS, registry=self.registry)
+        # children made once: label lookups stay off the server's I/O thread, and every
+        # series exists (at 0) from the first scrape on
+        self._requests = {op: requests.labels(op) for op in (*OPS, "other")}
+        self._errors = {kind: errors.labels(kind) for kind in (*ERROR_TYPES, "other")}
+        self._latency = {op: latency.labels(op) for op in (*OPS, "other")}
+        self.registry.register(_ReplicaCollector(self))
+
+    def on_request(self, op: Any) -> None:
+        """A message arrived; ``op`` as the client sent it (None when it could not be read)."""
+        self._requests.get(op, self._requests["other"]).inc()
+
+    def on_reply(self, ok: bool, error_type: str | None, seconds: float, *, op: str = "submit") -> None:
+        """A reply was sent ``seconds`` after its request arrived; ``error_type`` when not ``ok``."""
+        if not ok:
+            self._errors.get(error_type, self._errors["other"]).inc()
+        self._latency.get(op, self._latency["other"]).observe(max(0.0, seconds))
+
+    def observe_replicas(self, statuses: Iterable[Any]) -> None:
+        """Replace the replica snapshot (replicas missing from it disappear from the metrics)."""
+        snapshot = [_replica(status) for status in statuses]
+        with self._lock:
+            self._replicas = snapshot
+
+    def replica_snapshot(self) -> list[tuple[str, bool, int]]:
+        if self._replica_source is not None:
+            return [_replica(status) for status in self._replica_source()]
+        with self._lock:
+            return list(self._replicas)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of everything, as a scrape would get it."""
+        return _prometheus().generate_latest(self.registry)
+
+
+def _replica(status: Any) -> tuple[str, bool, int]:
+    get = status.get if isinstance(status, dict) else lambda key: getattr(status, key)
+    return str(int(get("index"))), bool(get("healthy")), int(get("inflight"))
+
+
+class _ReplicaCollector:
+    """Replica gauges built at scrape time, so that a replica gone is a series gone."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> list[Any]:
+        return []  # no fixed series: do not collect at registration
+
+    def collect(self) -> Iterable[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        inflight = GaugeMetricFamily("phyrt_replica_inflight", "Requests a replica holds now.", labels=["replica"])
+        healthy = GaugeMetricFamily("phyrt_replica_healthy", "1 if a replica can serve, else 0.", labels=["replica"])
+        replicas = self._metrics.replica_snapshot()
+        for index, ok, count in replicas:
+            inflight.add_metric([index], count)
+            healthy.add_metric([index], 1.0 if ok else 0.0)
+        yield inflight
+        yield healthy
+        yield GaugeMetricFamily("phyrt_replicas_healthy", "Replicas that can serve now.",
+                                value=sum(ok for _, ok, _ in replicas))
+
+
+class MetricsServer:
+    """An HTTP server answering ``GET /metrics`` on its own thread; ``close()`` stops it."""
+
+    def __init__(self, metrics: ServerMetrics, httpd: Any) -> None:
+        self.metrics = metrics
+        self._httpd = httpd
+        self.host, self.port = httpd.server_address[:2]
+        self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.5},
+                                        name="phyrt-metrics", daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        """Stop serving and free the port. Idempotent."""
+        if self._thread.is_alive():
+            self._httpd.shutdown()  # returns once serve_forever has
+            self._thread.join(10)
+        self._httpd.server_close()
+
+    def __enter__(self) -> "MetricsServer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def start_metrics_server(port: int, host: str = "127.0.0.1", metrics: ServerMetrics | None = None) -> MetricsServer:
+    """Serve ``metrics`` (a new ``ServerMetrics`` if None) on ``http://host:port/metrics``.
+
+    ``port`` 0 picks a free port (see ``.port``). Loopback by default: pass another
+    ``host`` to let other machines scrape. OSError if the port is taken.
+    """
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
+    if not isinstance(host, str) or not host:
+        raise ValueError(f"host must be a non-empty str, got {host!r}")
+    prom = _prometheus()
+    if metrics is None:
+        metrics = ServerMetrics()
+    # prometheus_client's own start_http_server returns no handle to stop it before 0.20;
+    # the same WSGI app on wsgiref's server works with any version
+    server_class = _IPv6Server if ":" in host else _IPv4Server
+    httpd = make_server(host, port, prom.make_wsgi_app(metrics.registry), server_class, handler_class=_QuietHandler)
+    return MetricsServer(metrics, httpd)
+
+
+class _IPv4Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a scrape in progress never holds the process
+
+
+class _IPv6Server(_IPv4Server):
+    address_family = socket.AF_INET6
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # no line on stderr per scrape
+        pass

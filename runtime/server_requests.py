@@ -1,0 +1,234 @@
+"""Requests on the server: what each op may carry, the requests in flight, and their replies.
+
+Imports only ``runtime.errors``, ``runtime.protocol`` and ``runtime.server_shm``
+from the project; torch, for the request tensors.
+
+    I/O thread                                  engine thread (the future's done callback)
+    OP_FIELDS, submit_options(), ...: checks
+    Request(identity, id, ...); engine.submit
+    InFlight.add(req): table, deadline heap
+    InFlight.expired(now): deadlines due        InFlight.complete(req, outcome_of(req, future)):
+    InFlight.completed()  <------ deque ------    the encoded result (frames, or blocks of the
+    send the reply                                client's result arena), or an error
+
+Invariants: a request is in ``InFlight`` from the engine's acceptance until its
+outcome is back, answered already (by a deadline) or not: that is what
+``max_inflight`` counts. An ``Outcome`` never holds a traceback, only an error
+type of the protocol and a message clipped to ``MAX_MESSAGE_CHARS``;
+``outcome_of`` never raises, so that a callback cannot lose a reply. Request
+tensors are views of the received bytes (read-only for frames): plugins must not
+write into their inputs.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import math
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from runtime.errors import EngineUnavailableError, ProtocolError, RemoteError
+from runtime.protocol import PayloadEncoder
+from runtime.server_shm import ClientShm
+
+#: results at least this large go into the client's result arena when it asked for shm
+RESULT_SHM_THRESHOLD = 64 * 1024
+MAX_MESSAGE_CHARS = 2000
+#: the fields each op may carry besides HEADER_FIELDS; anything else is refused
+OP_FIELDS = {
+    "submit": frozenset({"payload", "timeout_s", "shm_results"}),
+    "cancel": frozenset({"target"}),
+    "ping": frozenset(),
+    "info": frozenset(),
+    "register": frozenset({"run_id", "segments", "pid"}),
+    "release": frozenset({"blocks"}),
+}
+HEADER_FIELDS = frozenset({"v", "op", "id"})
+
+
+class Rejected(Exception):
+    """A request answered with an error reply of ``type``."""
+
+    def __init__(self, type: str, message: str) -> None:
+        super().__init__(message)
+        self.type = type
+
+
+@dataclass
+class Request:
+    identity: bytes
+    id: Any
+    future: Future | None = None
+    timeout_s: float | None = None
+    client: ClientShm | None = None
+    shm_results: bool = False
+    holds_inputs: bool = False  # the plugin may still read the client's shared memory
+    replied: bool = False
+    notify_inputs: bool = False  # tell the client when the engine lets go of its inputs
+    deadline: float | None = None  # monotonic; set when the engine takes the request
+    arrived: float = field(default_factory=time.monotonic)
+
+    @property
+    def key(self) -> tuple[bytes, Any]:
+        return self.identity, self.id
+
+
+@dataclass
+class Outcome:
+    result: Any = None
+    frames: list[Any] = field(default_factory=list)
+    blocks: list[tuple[str, int]] = field(default_factory=list)
+    error: tuple[str, str] | None = None
+    late: bool = False  # completed after its deadline
+
+
+def no_frames(frames: list) -> None:
+    if frames:
+        raise ProtocolError(f"this op takes no tensor frames, got {len(frames)}")
+
+
+def submit_options(header: dict[str, Any]) -> tuple[float | None, bool]:
+    """A submit's ``timeout_s`` and ``shm_results``; ProtocolError if it has no payload or bad values."""
+    if "payload" not in header:
+        raise ProtocolError("submit needs a payload")
+    timeout_s = header.get("timeout_s")
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                  or not 0 < timeout_s <= 1e7):
+        raise ProtocolError(f"timeout_s must be a number of seconds in (0, 1e7], got {timeout_s!r}"[:300])
+    shm_results = header.get("shm_results", False)
+    if not isinstance(shm_results, bool):
+        raise ProtocolError(f"shm_results must be a bool, got {shm_results!r}"[:300])
+    return timeout_s, shm_results
+
+
+def register_fields(header: dict[str, Any]) -> tuple[Any, list[str], int | None]:
+    """A register's ``run_id`` (checked by ``ShmSessions``), ``segments`` and ``pid``."""
+    run_id, segments, pid = header.get("run_id"), header.get("segments", []), header.get("pid")
+    if not isinstance(segments, list) or not all(isinstance(s, str) for s in segments):
+        raise ProtocolError("segments must be a list of segment names")
+    if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid < 2**31):
+        raise ProtocolError(f"pid must be a process id, got {pid!r}"[:300])
+    return run_id, segments, pid
+
+
+def release_blocks(header: dict[str, Any]) -> list[tuple[str, int]] | None:
+    """A release's well-formed ``[segment, offset]`` pairs; None if ``blocks`` is not a list of at most 4096."""
+    blocks = header.get("blocks")
+    if not isinstance(blocks, list) or len(blocks) > 4096:
+        return None
+    return [(b[0], b[1]) for b in blocks if isinstance(b, list) and len(b) == 2
+            and isinstance(b[0], str) and isinstance(b[1], int) and not isinstance(b[1], bool)]
+
+
+def request_tensor(buf: memoryview, name: str, shape: list[int]) -> torch.Tensor:
+    """A tensor over the received bytes, without a copy (read-only for frames)."""
+    dtype = getattr(torch, name)
+    count = math.prod(shape)
+    if count == 0:  # torch.frombuffer refuses empty buffers
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype, count=count).reshape(shape)
+
+
+class InFlight:
+    """The requests the engine holds for one server, by (identity, id), with their deadlines.
+
+    I/O thread only, except ``complete``, which the engine's threads call.
+    """
+
+    def __init__(self) -> None:
+        self._requests: dict[tuple[bytes, Any], Request] = {}
+        self._deadlines: list[tuple[float, int, Request]] = []
+        self._seq = itertools.count()
+        self._completions: collections.deque[tuple[Request, Outcome]] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __contains__(self, key: tuple[bytes, Any]) -> bool:
+        return key in self._requests
+
+    def get(self, key: tuple[bytes, Any]) -> Request | None:
+        return self._requests.get(key)
+
+    def add(self, req: Request) -> None:
+        """``req`` was taken by the engine; its future is set."""
+        self._requests[req.key] = req
+        if req.client is not None:
+            req.client.requests += 1
+        if req.timeout_s is not None:
+            req.deadline = time.monotonic() + req.timeout_s
+            heapq.heappush(self._deadlines, (req.deadline, next(self._seq), req))
+
+    def next_deadline(self) -> float | None:
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def complete(self, req: Request, outcome: Outcome) -> None:
+        """Any thread: hand ``req``'s outcome to the I/O thread (the caller then wakes it).
+
+        An outcome that came after the request's deadline counts as expired, however
+        soon the I/O thread gets to it: the deadline is a promise, not a race.
+        """
+        if req.deadline is not None and time.monotonic() > req.deadline and outcome.error is None:
+            outcome.late = True
+        self._completions.append((req, outcome))
+
+    def completed(self) -> Iterator[tuple[Request, Outcome]]:
+        """The outcomes handed over so far; each request leaves the table as it is yielded."""
+        while self._completions:
+            req, outcome = self._completions.popleft()
+            self._requests.pop(req.key, None)
+            if req.client is not None:
+                req.client.requests -= 1
+            yield req, outcome
+
+    def expired(self, now: float) -> Iterator[Request]:
+        """Requests whose deadline is due and that are neither answered nor done."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, req = heapq.heappop(self._deadlines)
+            if req.replied or req.future.done():
+                continue
+            yield req
+
+
+def clip(text: str) -> str:
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS] + "..."
+
+
+def outcome_of(req: Request, future: Future) -> Outcome:
+    """The reply to ``req`` once ``future`` is done; runs on the thread that completed it."""
+    try:
+        if future.cancelled():
+            return Outcome(error=("Cancelled", "the request was cancelled while queued"))
+        if future.exception() is not None:
+            return Outcome(error=_error_of(future.exception()))
+        return _encode_result(req, future.result())
+    except BaseException as exc:  # never let a callback lose a reply
+        return Outcome(error=("PluginError", clip(f"the result could not be sent: {type(exc).__name__}: {exc}")))
+
+
+def _encode_result(req: Request, result: Any) -> Outcome:
+    client = req.client if req.shm_results else None
+    encoder = PayloadEncoder(copy=False, place=client.place_result if client is not None else None,
+                             shm_threshold=RESULT_SHM_THRESHOLD)
+    try:
+        body = encoder.encode(result, "result")
+    except (TypeError, ValueError) as exc:
+        if client is not None:
+            client.release(encoder.blocks, mapped=False)
+        return Outcome(error=("PluginError", clip(f"the plugin's result cannot be sent: {exc}")))
+    return Outcome(result=body, frames=encoder.frames, blocks=encoder.blocks)
+
+
+def _error_of(exc: BaseException) -> tuple[str, str]:
+    """The reply error of an engine failure; text only, never a traceback."""
+    if isinstance(exc, EngineUnavailableError):
+        if isinstance(exc.__cause__, RemoteError):  # the plugin raised inside a local rank
+            return "PluginError", clip(f"{exc} (that replica is out of service now)")
+        return "EngineUnavailable", clip(str(exc))
+    return "PluginError", clip(f"{type(exc).__name__}: {exc}")
