@@ -25,6 +25,7 @@ from typing import Any
 
 from runtime.errors import EngineUnavailableError
 from runtime.executor import ReplicaExecutor
+from runtime.futures import resolve
 from workers.core import EngineCore
 
 _STOP = object()
@@ -139,7 +140,4 @@ class InlineExecutor(ReplicaExecutor):
 def _fail(future: Future, reason: str, cause: BaseException | None = None) -> None:
     error = EngineUnavailableError(reason)
     error.__cause__ = cause
-    try:
-        future.set_exception(error)
-    except Exception:  # already finished by another path; never complete twice
-        pass
+    resolve(future, error=error)

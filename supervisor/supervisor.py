@@ -51,6 +51,7 @@ import zmq
 from runtime import wire
 from runtime.config import EngineArgs, WorkerSupervisorConfig, dtype_name
 from runtime.errors import EngineUnavailableError, ProtocolError, RemoteError, WorkerStartupError
+from runtime.futures import resolve
 from runtime.shm import ShmArena, ShmMapper, new_run_id, sweep_run, sweep_stale
 from supervisor.groups import GroupState, LockedArena, PendingRequest, RankState, ResultMapper, allocator_free
 from supervisor.processes import check_port_free, describe_exit, stop_ranks, sweep_run_dirs
@@ -294,7 +295,7 @@ class WorkerSupervisor:
                                     f"(request {msg['id']})", cause)
             return
         if r.rank == 0:
-            _resolve(pending.future, result=msg.get("result"))
+            resolve(pending.future, result=msg.get("result"))
         pending.ranks_done.add(r.rank)
         if len(pending.ranks_done) == len(group.ranks):
             del group.pending[msg["id"]]
@@ -380,7 +381,7 @@ class WorkerSupervisor:
         for p in pending.values():
             error = EngineUnavailableError(message)
             error.__cause__ = cause
-            _resolve(p.future, error=error)
+            resolve(p.future, error=error)
         threading.Thread(target=stop_ranks, args=([r.process for r in group.ranks],),
                          name=f"phyrt-reaper-{group.index}", daemon=True).start()
         if not self._startup.is_set():
@@ -409,7 +410,7 @@ class WorkerSupervisor:
         for group in self._groups:
             pending, group.pending = group.pending, {}
             for p in pending.values():
-                _resolve(p.future, error=EngineUnavailableError("the engine is closed"))
+                resolve(p.future, error=EngineUnavailableError("the engine is closed"))
             if group.failed is None:
                 group.failed = "the engine is closed"
                 for r in group.ranks:
@@ -431,19 +432,6 @@ class WorkerSupervisor:
         self._ctx.term()
         shutil.rmtree(self.run_dir, ignore_errors=True)
         sweep_run(self.run_id)
-
-
-def _resolve(future: Future, result: Any = None, error: BaseException | None = None) -> None:
-    """Complete ``future`` unless something already did (never twice, never raising)."""
-    if future.done():
-        return
-    try:
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-    except Exception:  # lost a race with a canceller or another completer
-        pass
 
 
 def _parse_identity(identity: bytes) -> tuple[str, int | None, int]:
