@@ -1,0 +1,274 @@
+"""The stepped runner of ``qwen3`` on one rank: rank 0 leads, the other ranks follow.
+
+    leader (world rank 0)                                  follower (world rank r > 0)
+    add(id, request): parse, queue sequences               add(id, request): remember id as "seen"
+    step():                                                step():  (only while it holds seen ids)
+      schedule -> batch (tokens, positions, slots, ...)
+      plan = msgpack{done: ids, batch}  --broadcast, cpu group-->  plan
+      forward(batch)            <------ tp collectives ------>     forward(batch)
+      compute_logits -> sample                                     compute_logits (returns None)
+      finished requests -> results, ids into the next "done"       ids of plan.done -> (id, None)
+
+Agreement (what keeps the ranks in lock step although each rank's serve loop
+admits requests when its own copy of them arrives):
+
+- Only the leader schedules and samples. Every leader step broadcasts exactly one
+  plan on ``P.cpu_group()`` and every follower step receives exactly one. The
+  plan carries the model inputs themselves (int64 arrays), so a follower needs no
+  scheduler, no payloads and no copy of any request to run the forward pass.
+- A plan's ``done`` lists the requests the leader finished (or refused) since the
+  previous plan; it is their only way to end on a follower. So the leader keeps
+  stepping while it holds work or ids not yet announced (an extra, model-free step
+  after the last result), and a follower steps while it has seen an id that no plan
+  has announced yet. Every id is delivered to every rank, so a follower that waits
+  for a plan waits on a leader that holds (or will receive) that id and will step,
+  and a leader that broadcasts does so for an id every follower will see and step for.
+- A request that reaches the leader first is scheduled at once; a follower that
+  has not seen it yet blocks in its serve loop until its copy arrives and then
+  receives the waiting plan. A request that reaches a follower first makes it wait
+  in ``step`` until the leader gets its copy and steps. A follower may even learn
+  from a plan that a request finished before its own copy arrives; the id is kept
+  as "early" and answered (without a collective) as soon as it is added.
+- A plan is one broadcast of a fixed ``PLAN_BYTES`` buffer (an 8-byte length, then
+  msgpack), plus a second broadcast of the remainder only when a plan is longer.
+  No pickle. In inline mode (``runtime.parallel`` not initialized) nothing is sent.
+
+KV cache: ``kv_cache_blocks`` blocks per rank, or, when None, what fits in a share
+of free memory (``KV_CACHE_MEMORY_FRACTION`` of free CUDA memory on the device
+after loading, or of available host memory divided among the ranks on CPU), capped
+at what ``max_num_seqs`` sequences of ``max_position_embeddings`` tokens could use;
+the count is agreed with an all_reduce MIN over the world so that every rank holds
+the same blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+from models.qwen3 import Qwen3Args, parse_request
+from models.qwen3.block_manager import BlockManager
+from models.qwen3.sampler import sample
+from models.qwen3.scheduler import Scheduler
+from models.qwen3.sequence import Sequence
+from runtime import parallel as P
+from runtime.plugins import BuildContext
+
+#: size of the one broadcast that carries a typical plan (longer plans take two)
+PLAN_BYTES = 16384
+#: share of free memory the KV cache takes when ``kv_cache_blocks`` is None
+KV_CACHE_MEMORY_FRACTION = {"cuda": 0.8, "cpu": 0.2}
+_ARRAYS = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "context_lens", "block_tables")
+
+
+@dataclass
+class Batch:
+    """One forward pass's inputs, identical on every rank; int64 arrays."""
+
+    is_prefill: bool
+    input_ids: np.ndarray      # [T] the new tokens of all sequences, sequence after sequence
+    positions: np.ndarray      # [T]
+    slot_mapping: np.ndarray   # [T] KV-cache slot each new token is written to
+    cu_seqlens_q: np.ndarray   # [B+1] offsets of each sequence's new tokens
+    context_lens: np.ndarray   # [B] tokens in each sequence's cache after this step
+    block_tables: np.ndarray   # [B, max_blocks], -1 padded
+
+    def pack(self) -> dict[str, Any]:
+        return {"prefill": self.is_prefill, **{k: getattr(self, k).tobytes() for k in _ARRAYS}}
+
+    @classmethod
+    def unpack(cls, plan: dict[str, Any]) -> "Batch":
+        arrays = {k: np.frombuffer(plan[k], dtype=np.int64).copy() for k in _ARRAYS}
+        arrays["block_tables"] = arrays["block_tables"].reshape(len(arrays["context_lens"]), -1)
+        return cls(is_prefill=plan["prefill"], **arrays)
+
+
+class Qwen3Runner:
+    """add/step/has_unfinished for one rank (see the module docstring)."""
+
+    def __init__(self, ctx: BuildContext, args: Qwen3Args) -> None:
+        from models.loader import load_checkpoint, load_config
+        from models.qwen3.model import Qwen3ForCausalLM
+
+        self.args = args
+        self.device = torch.device(ctx.device)
+        dtype = ctx.params_dtype
+        self.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).removeprefix("torch."))
+        self.distributed = P.size("world") > 1
+        self.leader = P.rank("world") == 0
+        self.model = Qwen3ForCausalLM(load_config(args.model), self.dtype, self.device).eval()
+        load_checkpoint(self.model, args.model)
+        self.num_blocks = self._allocate_kv_cache(ctx.target)
+        # counters for inspection: steps run, most sequences in one step, preemptions
+        self.num_steps = 0
+        self.max_batch_seqs = 0
+        if self.leader:
+            bm = BlockManager(self.num_blocks, args.block_size)
+            self.scheduler = Scheduler(bm, args.max_num_seqs, args.max_num_batched_tokens, args.eos_ids)
+            self._requests: dict[Any, list[Sequence]] = {}
+            self._refused: list[tuple[Any, BaseException]] = []
+            self._announce: list[Any] = []  # finished ids the followers have not been told of
+        else:
+            self._seen: set[Any] = set()   # added here, not yet announced by the leader
+            self._early: set[Any] = set()  # announced by the leader before this rank's copy came
+            self._acks: list[Any] = []     # announced and seen: answered by the next step
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions if self.leader else 0
+
+    # -- setup ---------------------------------------------------------------------
+
+    def _allocate_kv_cache(self, target: str) -> int:
+        layers = self.model.attention_layers()
+        block_shape = self.model.kv_cache_shape(1, self.args.block_size)
+        block_bytes = 2 * len(layers) * math.prod(block_shape) * self.dtype.itemsize
+        num_blocks = self.args.kv_cache_blocks
+        if num_blocks is None:
+            if target == "cuda":
+                free = torch.cuda.mem_get_info(self.device)[0]
+            else:
+                import psutil
+
+                free = psutil.virtual_memory().available // P.size("world")  # the ranks share the host
+            useful = self.args.max_num_seqs * math.ceil(self.args.max_positions / self.args.block_size)
+            num_blocks = max(1, min(useful, int(free * KV_CACHE_MEMORY_FRACTION[target]) // block_bytes))
+        agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
+        num_blocks = int(P.all_reduce(agreed, "world", op="min").item())
+        shape = self.model.kv_cache_shape(num_blocks, self.args.block_size)
+        cache = torch.zeros(2, len(layers), *shape, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(layers):
+            layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
+        self.kv_cache = cache
+        return num_blocks
+
+    # -- the stepped-runner interface ----------------------------------------------
+
+    def add(self, request_id: Any, request: Any) -> None:
+        if not self.leader:
+            if request_id in self._early:
+                self._early.discard(request_id)
+                self._acks.append(request_id)
+            else:
+                self._seen.add(request_id)
+            return
+        try:
+            prompts, params = parse_request(request, self.args)
+            seqs = [Sequence(request_id, i, prompt, params) for i, prompt in enumerate(prompts)]
+            self.scheduler.add(seqs)
+        except Exception as exc:  # refused: reported by the next step, and announced
+            self._refused.append((request_id, exc))
+            return
+        self._requests[request_id] = seqs
+
+    def has_unfinished(self) -> bool:
+        if self.leader:
+            return self.scheduler.has_unfinished() or bool(self._announce or self._refused)
+        return bool(self._seen or self._acks)
+
+    def step(self) -> list[tuple[Any, Any]]:
+        return self._lead() if self.leader else self._follow()
+
+    # -- leader --------------------------------------------------------------------
+
+    def _lead(self) -> list[tuple[Any, Any]]:
+        done: list[tuple[Any, Any]] = self._refused
+        self._refused = []
+        seqs, is_prefill = self.scheduler.schedule()
+        batch = self._prepare(seqs, is_prefill) if seqs else None
+        if self.distributed:
+            announce = self._announce + [request_id for request_id, _ in done]
+            self._announce = []
+            _broadcast_plan(msgpack.packb({"done": announce, "batch": batch and batch.pack()}, use_bin_type=True))
+        if batch is None:
+            return done
+        tokens = sample(self._forward(batch), seqs)
+        for seq in self.scheduler.postprocess(seqs, tokens):
+            siblings = self._requests.get(seq.request_id)  # None: a sibling finished it this step
+            if siblings is None or not all(s.is_finished for s in siblings):
+                continue
+            del self._requests[seq.request_id]
+            done.append((seq.request_id, {"token_ids": [s.output_ids for s in siblings],
+                                          "finish_reasons": [s.finish_reason for s in siblings]}))
+            if self.distributed:
+                self._announce.append(seq.request_id)
+        return done
+
+    def _prepare(self, seqs: list[Sequence], is_prefill: bool) -> Batch:
+        bm = self.scheduler.block_manager
+        ids, positions, slots, cu_seqlens, context_lens = [], [], [], [0], []
+        for seq in seqs:
+            start = 0 if is_prefill else len(seq) - 1
+            ids += seq.token_ids[start:]
+            positions += range(start, len(seq))
+            slots += bm.slots(seq, start, len(seq))
+            cu_seqlens.append(len(ids))
+            context_lens.append(len(seq))
+        tables = np.full((len(seqs), max(len(s.block_table) for s in seqs)), -1, dtype=np.int64)
+        for row, seq in zip(tables, seqs):
+            row[:len(seq.block_table)] = seq.block_table
+
+        def arr(values: list[int]) -> np.ndarray:
+            return np.asarray(values, dtype=np.int64)
+
+        return Batch(is_prefill, arr(ids), arr(positions), arr(slots), arr(cu_seqlens), arr(context_lens), tables)
+
+    # -- follower ------------------------------------------------------------------
+
+    def _follow(self) -> list[tuple[Any, Any]]:
+        acks, self._acks = self._acks, []
+        if self._seen:  # the leader owes this rank a plan (see the module docstring)
+            plan = msgpack.unpackb(_broadcast_plan(None), raw=False)
+            for request_id in plan["done"]:
+                if request_id in self._seen:
+                    self._seen.discard(request_id)
+                    acks.append(request_id)
+                else:
+                    self._early.add(request_id)
+            if plan["batch"] is not None:
+                self._forward(Batch.unpack(plan["batch"]))
+        return [(request_id, None) for request_id in acks]
+
+    # -- every rank ----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _forward(self, batch: Batch) -> torch.Tensor | None:
+        """Run the model on ``batch``; the logits of each sequence's last token on rank 0."""
+        from models.layers.attention import AttentionMetadata
+
+        def dev(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+        meta = AttentionMetadata(is_prefill=batch.is_prefill, slot_mapping=dev(batch.slot_mapping),
+                                 context_lens=dev(batch.context_lens), block_tables=dev(batch.block_tables),
+                                 cu_seqlens_q=dev(batch.cu_seqlens_q))
+        hidden = self.model(dev(batch.input_ids), dev(batch.positions), meta)
+        self.num_steps += 1
+        self.max_batch_seqs = max(self.max_batch_seqs, len(batch.context_lens))
+        return self.model.compute_logits(hidden[dev(batch.cu_seqlens_q[1:] - 1)])
+
+
+def _broadcast_plan(data: bytes | None) -> bytes:
+    """The leader's plan on every rank: the leader passes it, followers pass None."""
+    import torch.distributed as dist
+
+    group = P.cpu_group()
+    head = np.zeros(PLAN_BYTES, dtype=np.uint8)
+    if data is not None:
+        head[:8] = np.frombuffer(len(data).to_bytes(8, "little"), dtype=np.uint8)
+        first = data[:PLAN_BYTES - 8]
+        head[8:8 + len(first)] = np.frombuffer(first, dtype=np.uint8)
+    dist.broadcast(torch.from_numpy(head), src=0, group=group)
+    size = int.from_bytes(head[:8].tobytes(), "little")
+    if size <= PLAN_BYTES - 8:
+        return head[8:8 + size].tobytes()
+    rest = np.zeros(size - (PLAN_BYTES - 8), dtype=np.uint8)
+    if data is not None:
+        rest[:] = np.frombuffer(data[PLAN_BYTES - 8:], dtype=np.uint8)
+    dist.broadcast(torch.from_numpy(rest), src=0, group=group)
+    return head[8:].tobytes() + rest.tobytes()
