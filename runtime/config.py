@@ -347,12 +347,17 @@ class DeploymentConfig:
     ``devices`` are logical device indices (composing with ``CUDA_VISIBLE_DEVICES``);
     replica i takes entries ``[i*ranks, (i+1)*ranks)``. On a CPU target they only
     count rank slots.
+
+    ``collective_timeout_s`` (external mode): once the ranks are built, a collective
+    that gets no answer from a peer this long (a rank hung or died) fails with
+    ``EngineUnavailableError`` instead of waiting torch's default 30 minutes.
     """
 
     mode: str = "auto"
     replica_count: int = 1
     devices: tuple[int, ...] | None = None
     process_config: WorkerSupervisorConfig = field(default_factory=WorkerSupervisorConfig)
+    collective_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, str):
@@ -383,6 +388,7 @@ class DeploymentConfig:
                 f"replica i rendezvouses on base_port + i: base_port {self.process_config.base_port} "
                 f"with {self.replica_count} replicas passes port 65535"
             )
+        _check_seconds("DeploymentConfig", "collective_timeout_s", self.collective_timeout_s)
         if self.mode == "external" and self.replica_count != 1:
             raise ValueError(f"external mode serves one replica per launch, got replica_count={self.replica_count}")
 
@@ -401,8 +407,9 @@ class DeploymentConfig:
         )
 
     @classmethod
-    def external(cls) -> "DeploymentConfig":
-        return cls(mode="external")
+    def external(cls, collective_timeout_s: float = 60.0) -> "DeploymentConfig":
+        """This process is one rank of a torchrun launch (see ``runtime.external``)."""
+        return cls(mode="external", collective_timeout_s=collective_timeout_s)
 
     def resolve_mode(self, ranks_per_replica: int) -> str:
         """The executor kind for a replica of ``ranks_per_replica`` ranks."""

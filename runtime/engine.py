@@ -89,10 +89,12 @@ class Engine:
             for executor in executors:
                 executor.attach(supervisor)
             return executors
-        raise NotImplementedError(
-            f"deployment mode {self.mode!r} is not available in this build yet; "
-            "use one rank and one replica (inline)"
-        )
+        if self.mode == "external":
+            from runtime.external import ExternalExecutor
+
+            # this process is one rank torchrun made; every rank builds its part and joins the group
+            return [ExternalExecutor.start(self._entry, self.args, self.deployment)]
+        raise NotImplementedError(f"deployment mode {self.mode!r} is not available in this build")
 
     # -- requests ------------------------------------------------------------------
 
