@@ -8,6 +8,7 @@ library, so that the torch-free client can share these types.
     │   │                        a hard timeout fired); re-create the engine
     │   └── WorkerStartupError   a rank failed before it reported ready
     ├── ProtocolError            a message or tensor descriptor failed validation
+    ├── RequestMismatchError     the ranks of an external engine got different requests
     └── RemoteError              a plugin error raised inside a managed rank, carried
                                  back as data (type name, message, traceback text)
 
@@ -59,3 +60,15 @@ class RemoteError(PhyrtError):
         if self.remote_traceback:
             text += "\n--- remote traceback ---\n" + self.remote_traceback.rstrip()
         return text
+
+
+class RequestMismatchError(PhyrtError, ValueError):
+    """The ranks of an external engine were given different requests for the same step.
+
+    Raised on every rank at the same point, before the plugin ran; the engine stays
+    usable. ``fingerprints`` maps each world rank to its request's fingerprint.
+    """
+
+    def __init__(self, message: str, fingerprints: dict[int, int]) -> None:
+        super().__init__(message)
+        self.fingerprints = fingerprints
