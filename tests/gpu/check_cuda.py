@@ -2,7 +2,9 @@
 
     python tests/gpu/check_cuda.py          # prints one line per check, exits 1 on a failure
 
-Checks: device pinning and NCCL (a tp=2 policy replica on devices 0 and 1 gives the
+Checks: the qwen3 plugin on CUDA (greedy tokens equal to ``transformers.generate``
+on a tiny random checkpoint, inline and, with two GPUs, tp=2 over NCCL), device
+pinning and NCCL (a tp=2 policy replica on devices 0 and 1 gives the
 inline actions), CUDA-IPC requests and results (a CUDA result of the local engine
 is a CUDA tensor on the rank's device, readable here, zero-copy). Skips the two-GPU checks when one GPU is visible.
 """
@@ -57,8 +59,44 @@ def main() -> int:
                   f"max diff {(out.cpu() - reference).abs().max():.2e}")
     else:
         print("skip tp=2 over NCCL: one GPU visible")
+    check_qwen3(count)
     print("failures:", FAILURES or "none")
     return 1 if FAILURES else 0
+
+
+def check_qwen3(count: int) -> None:
+    import tempfile
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    prompts = [[7], [3, 1, 4, 1, 5], [(11 * i) % 250 for i in range(17)]]
+    with tempfile.TemporaryDirectory() as model_dir:
+        torch.manual_seed(0)
+        config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             max_position_embeddings=256, initializer_range=0.1)
+        model = Qwen3ForCausalLM(config).eval()
+        model.save_pretrained(model_dir)
+        reference = []
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                                 pad_token_id=0)
+            reference.append(out[0, len(prompt):].tolist())
+        request = {"prompt_token_ids": prompts, "max_tokens": 16}
+        cuda = EngineConfig(device=DeviceConfig(target="cuda"))
+        with Engine(EngineArgs("qwen3", {"model": model_dir}, cuda)) as inline:
+            tokens = inline.step(request)["token_ids"]
+        check("qwen3 inline on cuda equals transformers", tokens == reference)
+        if count >= 2:
+            args = EngineArgs("qwen3", {"model": model_dir}, EngineConfig(
+                device=DeviceConfig(target="cuda"),
+                parallel=ParallelConfig(dense=DenseParallelConfig(tp_size=2),
+                                        attention=AttentionParallelConfig(tp_size=2))))
+            with Engine(args, DeploymentConfig.local(devices=(0, 1),
+                                                     process_config=WorkerSupervisorConfig(base_port=29670))) as tp:
+                tokens = tp.step(request)["token_ids"]
+            check("qwen3 tp=2 over NCCL equals transformers", tokens == reference)
 
 
 if __name__ == "__main__":
