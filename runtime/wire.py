@@ -38,6 +38,7 @@ ever pickled.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from dataclasses import dataclass
@@ -65,6 +66,7 @@ _NP_DTYPES = {"float16": "<f2", "float32": "<f4", "float64": "<f8", "int8": "i1"
 _ITEMSIZE = {name: np.dtype(code).itemsize for name, code in _NP_DTYPES.items()}
 _ITEMSIZE["bfloat16"] = 2
 _NP_NAMES = {np.dtype(code): name for name, code in _NP_DTYPES.items()}
+_NP_DTYPE_OF = {name: np.dtype(code) for name, code in _NP_DTYPES.items()}
 _FLOAT_NAMES = frozenset({"float16", "float32", "float64", "bfloat16"})
 _SHM_KEYS = frozenset({"segment", "offset", "nbytes", "dtype", "shape"})
 _CUDA_INT_KEYS = ("offset", "device", "storage_size_bytes", "storage_offset_bytes", "ref_counter_offset")
@@ -127,6 +129,21 @@ _DEFAULT_DECODER = TensorDecoder()
 
 
 # --------------------------------------------------------------------------- encoding
+#
+# The fast path lets msgpack's C packer walk the message and hands it, through
+# ``default=``, only what it cannot pack itself: tensors, numpy arrays and
+# numpy scalars. msgpack would also pack what the wire forbids (non-str map
+# keys, ExtType, Timestamp) and would not convert a strided memoryview, so one
+# cheap Python pass, _packable, first looks at the containers only: no paths
+# are built, and a container of plain scalars costs one C-level type scan.
+# Whatever it does not vouch for goes down the slow path, _encode, which builds
+# the message in Python and names the path of whatever it rejects.
+
+
+class _Unencodable(TypeError):
+    """A value the wire cannot carry; the caller prefixes where it sat."""
+
+    obj: Any = None
 
 
 def pack_message(
@@ -139,15 +156,21 @@ def pack_message(
     """
     if not isinstance(type, str) or not type:
         raise TypeError(f"message type must be a non-empty str, got {type!r}")
-    if not (_is_int(id) or isinstance(id, str)):
+    if not (isinstance(id, (int, str)) and id is not True and id is not False):
         raise TypeError(f"message id must be an int or a str, got {id!r}")
-    clash = _RESERVED & fields.keys()
-    if clash:
-        raise ValueError(f"field names {sorted(clash)} are reserved for the message header")
+    if "v" in fields or "type" in fields or "id" in fields:
+        raise ValueError(f"field names {sorted(_RESERVED & fields.keys())} are reserved for the message header")
     encoder = tensor_encoder or _DEFAULT_ENCODER
     placed: list[tuple[str, int]] = []
+    body: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": type, "id": id}
     try:
-        body: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": type, "id": id}
+        if _packable(fields, 1):
+            body.update(fields)
+            packer = msgpack.Packer(use_bin_type=True, default=lambda obj: _encode_leaf(obj, encoder, placed))
+            try:
+                return packer.pack(body)
+            except _Unencodable as exc:  # find where the value sat only now that it failed
+                raise TypeError(f"{_locate(fields, exc.obj)}: {exc}") from None
         for key, value in fields.items():
             body[key] = _encode(value, encoder, placed, 1, key)
         return msgpack.packb(body, use_bin_type=True)
@@ -160,7 +183,90 @@ def pack_message(
         raise
 
 
+_PLAIN = frozenset({str, int, float, bool, type(None), bytes})  # exact types msgpack packs as they are
+_SLOW = (dict, list, tuple, memoryview, msgpack.ExtType, msgpack.Timestamp)
+
+
+def _packable(d: dict[Any, Any], depth: int) -> bool:
+    """Whether msgpack, with _encode_leaf as ``default=``, packs this dict exactly as _encode would.
+
+    ``depth`` is that of the dict's values. It looks at containers only and
+    builds no paths; False sends the message down the slow path, which
+    converts (a strided memoryview, a subclass of a container) or rejects with
+    the path (a non-str key, ExtType, Timestamp, nesting deeper than MAX_DEPTH).
+    """
+    for key, value in d.items():
+        if type(key) is not str:
+            return False
+        t = type(value)
+        if t in _PLAIN:
+            continue
+        if depth > MAX_DEPTH:
+            return False
+        if t is dict:
+            if not _packable(value, depth + 1):
+                return False
+        elif t is list or t is tuple:
+            # a vector of numbers, the common case, costs one C-level scan and no call
+            if not _PLAIN.issuperset(map(type, value)) and not _packable_seq(value, depth + 1):
+                return False
+        elif issubclass(t, _SLOW):
+            return False
+    return True
+
+
+def _packable_seq(seq: list[Any] | tuple[Any, ...], depth: int) -> bool:
+    if depth > MAX_DEPTH:
+        return False
+    for value in seq:
+        t = type(value)
+        if t in _PLAIN:
+            continue
+        if t is dict:
+            if not _packable(value, depth + 1):
+                return False
+        elif t is list or t is tuple:
+            if not _PLAIN.issuperset(map(type, value)) and not _packable_seq(value, depth + 1):
+                return False
+        elif issubclass(t, _SLOW):
+            return False
+    return True
+
+
+def _encode_leaf(obj: Any, enc: TensorEncoder, placed: list) -> Any:
+    """What msgpack cannot pack itself: a tensor extension or a Python number, else _Unencodable."""
+    try:
+        if isinstance(obj, np.ndarray):
+            return _encode_numpy(obj, enc, placed)
+        torch = sys.modules.get("torch")  # a torch tensor implies torch is imported
+        if torch is not None and isinstance(obj, torch.Tensor):
+            return _encode_torch(obj, enc, placed, torch)
+        if isinstance(obj, (np.bool_, np.integer, np.floating)):
+            return obj.item()
+        if isinstance(obj, int):  # msgpack hands on the ints it cannot fit in 64 bits
+            raise OverflowError("Integer value out of range")
+        raise _Unencodable(f"cannot encode {type(obj).__name__}")
+    except _Unencodable as exc:
+        exc.obj = obj
+        raise
+
+
+def _locate(fields: dict[str, Any], target: Any) -> str:
+    """The path of ``target`` inside the fields, for an error message (fast path only, so no cycles)."""
+    stack = list(fields.items())
+    while stack:
+        path, obj = stack.pop()
+        if obj is target:
+            return path
+        if type(obj) is dict:
+            stack.extend((f"{path}.{key}", value) for key, value in obj.items())
+        elif type(obj) in (list, tuple):
+            stack.extend((f"{path}[{i}]", value) for i, value in enumerate(obj))
+    return "<message>"
+
+
 def _encode(obj: Any, enc: TensorEncoder, placed: list, depth: int, path: str) -> Any:
+    """The slow path: builds the message in Python, naming the path of what it rejects."""
     if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
         return obj
     if depth > MAX_DEPTH:
@@ -174,64 +280,88 @@ def _encode(obj: Any, enc: TensorEncoder, placed: list, depth: int, path: str) -
         return out
     if isinstance(obj, (list, tuple)):
         return [_encode(v, enc, placed, depth + 1, f"{path}[{i}]") for i, v in enumerate(obj)]
-    if isinstance(obj, np.ndarray):
-        return _encode_numpy(obj, enc, placed, path)
-    torch = sys.modules.get("torch")  # a torch tensor implies torch is imported
-    if torch is not None and isinstance(obj, torch.Tensor):
-        return _encode_torch(obj, enc, placed, path, torch)
-    if isinstance(obj, (np.bool_, np.integer, np.floating)):
-        return obj.item()
     if isinstance(obj, (bytearray, memoryview)):
         return bytes(obj)
-    raise TypeError(f"{path}: cannot encode {type(obj).__name__}")
+    try:
+        return _encode_leaf(obj, enc, placed)
+    except _Unencodable as exc:
+        raise TypeError(f"{path}: {exc}") from None
 
 
-def _encode_numpy(arr: np.ndarray, enc: TensorEncoder, placed: list, path: str) -> msgpack.ExtType:
-    if arr.dtype.byteorder == ">":
-        arr = arr.astype(arr.dtype.newbyteorder("<"))
+def _encode_numpy(arr: np.ndarray, enc: TensorEncoder, placed: list) -> msgpack.ExtType:
     name = _NP_NAMES.get(arr.dtype)
+    if name is None and arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+        name = _NP_NAMES.get(arr.dtype)
     if name is None:
-        raise TypeError(f"{path}: dtype {arr.dtype} is not allowed on the wire")
+        raise _Unencodable(f"dtype {arr.dtype} is not allowed on the wire")
+    nbytes = arr.nbytes
+    if _goes_inline(enc, nbytes):
+        return _inline_ext(name, arr.shape, np.ascontiguousarray(arr))
+    segment, offset, view = _place(enc, placed, nbytes)
+    np.frombuffer(view, dtype=arr.dtype).reshape(arr.shape)[...] = arr
+    return _shm_ext(segment, offset, nbytes, name, arr.shape)
 
-    def write_into(dst: memoryview) -> None:
-        np.frombuffer(dst, dtype=arr.dtype).reshape(arr.shape)[...] = arr
 
-    return _tensor_ext(name, arr.shape, arr.nbytes, write_into,
-                       lambda: np.ascontiguousarray(arr).tobytes(), enc, placed)
-
-
-def _encode_torch(t: Any, enc: TensorEncoder, placed: list, path: str, torch: Any) -> msgpack.ExtType:
-    t = t.detach()
+def _encode_torch(t: Any, enc: TensorEncoder, placed: list, torch: Any) -> msgpack.ExtType:
+    if t.requires_grad:
+        t = t.detach()
     if t.layout != torch.strided or t.is_quantized or t.is_nested:
-        raise TypeError(f"{path}: only dense strided tensors can be encoded, got {t.layout}")
+        raise _Unencodable(f"only dense strided tensors can be encoded, got {t.layout}")
     name = str(t.dtype).removeprefix("torch.")
     if name not in _ITEMSIZE:
-        raise TypeError(f"{path}: dtype {t.dtype} is not allowed on the wire")
-    if t.device.type == "cuda" and enc.cuda_ipc:
-        return _encode_cuda(t, name, torch)
-    if t.device.type != "cpu":
+        raise _Unencodable(f"dtype {t.dtype} is not allowed on the wire")
+    if not t.is_cpu:
+        if t.is_cuda and enc.cuda_ipc:
+            return _encode_cuda(t, name, torch)
         t = t.cpu()
-
-    def write_into(dst: memoryview) -> None:
-        # copy_ from a strided source: a non-contiguous input costs one copy, not two
-        torch.frombuffer(dst, dtype=t.dtype, count=t.numel()).view(t.shape).copy_(t)
-
-    def to_bytes() -> bytes:
-        return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-    return _tensor_ext(name, tuple(t.shape), t.numel() * t.element_size(), write_into, to_bytes, enc, placed)
+    nbytes = t.numel() * t.element_size()
+    if _goes_inline(enc, nbytes):
+        return _inline_ext(name, tuple(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    segment, offset, view = _place(enc, placed, nbytes)
+    # copy_ from a strided source: a non-contiguous input costs one copy, not two
+    torch.frombuffer(view, dtype=t.dtype, count=t.numel()).view(t.shape).copy_(t)
+    return _shm_ext(segment, offset, nbytes, name, t.shape)
 
 
-def _tensor_ext(name, shape, nbytes, write_into, to_bytes, enc, placed) -> msgpack.ExtType:
-    if enc.allocator is None or nbytes == 0 or nbytes < enc.inline_threshold:
-        return msgpack.ExtType(EXT_INLINE, msgpack.packb([name, list(shape), to_bytes()], use_bin_type=True))
+def _goes_inline(enc: TensorEncoder, nbytes: int) -> bool:
+    return enc.allocator is None or nbytes == 0 or nbytes < enc.inline_threshold
+
+
+def _place(enc: TensorEncoder, placed: list, nbytes: int) -> tuple[str, int, memoryview]:
     segment, offset, view = enc.allocator.place(nbytes)
     placed.append((segment, offset))
     if len(view) < nbytes:
         raise ValueError(f"allocator returned {len(view)} bytes for a request of {nbytes}")
-    write_into(view[:nbytes])
+    return segment, offset, view[:nbytes]
+
+
+def _shm_ext(segment: str, offset: int, nbytes: int, name: str, shape: Any) -> msgpack.ExtType:
     ref = {"segment": segment, "offset": offset, "nbytes": nbytes, "dtype": name, "shape": list(shape)}
-    return msgpack.ExtType(EXT_SHM, msgpack.packb(ref, use_bin_type=True))
+    return _ext(EXT_SHM, msgpack.packb(ref, use_bin_type=True))
+
+
+def _inline_ext(name: str, shape: tuple[int, ...], contiguous: Any) -> msgpack.ExtType:
+    # msgpack of [name, shape, bin], the bytes joined on once rather than copied through two packers
+    return _ext(EXT_INLINE, b"".join((_inline_head(name, shape), contiguous)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _inline_head(name: str, shape: tuple[int, ...]) -> bytes:
+    """The msgpack bytes of ``[name, shape, bin]`` up to the tensor's raw bytes."""
+    nbytes = math.prod(shape) * _ITEMSIZE[name]
+    if nbytes < 1 << 8:
+        bin_header = bytes((0xC4, nbytes))
+    elif nbytes < 1 << 16:
+        bin_header = b"\xc5" + nbytes.to_bytes(2, "big")
+    else:
+        bin_header = b"\xc6" + nbytes.to_bytes(4, "big")  # OverflowError past 4 GiB, as msgpack would refuse
+    return b"\x93" + msgpack.packb(name) + msgpack.packb(list(shape)) + bin_header
+
+
+def _ext(code: int, payload: bytes) -> msgpack.ExtType:
+    # ExtType is a namedtuple whose __new__ re-checks in Python what is known here
+    return tuple.__new__(msgpack.ExtType, (code, payload))
 
 
 def _encode_cuda(t: Any, name: str, torch: Any) -> msgpack.ExtType:
@@ -250,10 +380,21 @@ def _encode_cuda(t: Any, name: str, torch: Any) -> msgpack.ExtType:
         "ref_counter_handle": rc_handle, "ref_counter_offset": rc_offset,
         "event_handle": event_handle, "event_sync_required": event_sync,
     }
-    return msgpack.ExtType(EXT_CUDA_IPC, msgpack.packb(desc, use_bin_type=True))
+    return _ext(EXT_CUDA_IPC, msgpack.packb(desc, use_bin_type=True))
 
 
 # --------------------------------------------------------------------------- decoding
+#
+# msgpack's C unpacker (unpackb, msgpack >= 1.0) bounds every length by the
+# frame, so that a forged header cannot make it allocate more than the frame's
+# size; its defaults are raw=False and use_list=True. With strict_map_key it
+# refuses keys other than str and bytes. What it cannot check
+# is left to one Python call per map (object_pairs_hook): duplicate keys, and
+# bytes keys. A bytes key needs a bin header (0xc4-0xc6) somewhere in the
+# frame, so a frame without one (a C-level memchr says so) gets the hook that
+# only counts keys; any other gets the one that also looks at their types.
+
+_SCAN_COPY_LIMIT = 64 * 1024  # a memoryview frame up to this size is copied to bytes to be scanned
 
 
 def unpack_message(
@@ -261,53 +402,65 @@ def unpack_message(
     tensor_decoder: TensorDecoder | None = None, max_bytes: int = MAX_MESSAGE_BYTES,
 ) -> dict[str, Any]:
     """Decode and validate one frame; raise ProtocolError on anything wrong."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
+    if isinstance(data, (bytes, bytearray)):
+        n = len(data)
+    elif isinstance(data, memoryview):
+        n = data.nbytes
+        if n <= _SCAN_COPY_LIMIT and data.c_contiguous:
+            data = data.tobytes()
+    else:
         raise ProtocolError(f"a message must be bytes, got {type(data).__name__}")
-    n = memoryview(data).nbytes
     if n > max_bytes:
         raise ProtocolError(f"message of {n} bytes exceeds the limit of {max_bytes}")
     decoder = tensor_decoder or _DEFAULT_DECODER
     try:
-        msg = _unpackb(data, n, lambda code, payload: _decode_ext(code, payload, decoder))
+        msg = msgpack.unpackb(data, strict_map_key=True, object_pairs_hook=_map_hook(data),
+                              ext_hook=lambda code, payload: _decode_ext(code, payload, decoder))
     except ProtocolError:
         raise
     except Exception as exc:  # untrusted input: any failure to decode is a protocol failure
         raise ProtocolError(f"malformed message: {type(exc).__name__}: {exc}") from exc
-    if not isinstance(msg, dict):
+    if type(msg) is not dict:
         raise ProtocolError(f"a message must be a msgpack map, got {type(msg).__name__}")
-    missing = _RESERVED - msg.keys()
-    if missing:
-        raise ProtocolError(f"message lacks the header keys {sorted(missing)}")
+    if "v" not in msg or "type" not in msg or "id" not in msg:
+        raise ProtocolError(f"message lacks the header keys {sorted(_RESERVED - msg.keys())}")
+    # decoded values have exact types: an int here is never a bool, a str never a subclass
     version = msg["v"]
-    if not _is_int(version) or version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version!r} is not {PROTOCOL_VERSION}, the one this side speaks")
     kind = msg["type"]
-    if not isinstance(kind, str) or not kind:
+    if type(kind) is not str or not kind:
         raise ProtocolError(f"message type must be a non-empty str, got {kind!r}")
     if expected_types is not None and kind not in expected_types:
         raise ProtocolError(f"unexpected message type {kind!r}; expected one of {sorted(expected_types)}")
-    if not (_is_int(msg["id"]) or isinstance(msg["id"], str)):
+    if type(msg["id"]) is not int and type(msg["id"]) is not str:
         raise ProtocolError(f"message id must be an int or a str, got {msg['id']!r}")
     return msg
 
 
-def _unpackb(data: Any, n: int, ext_hook: Any) -> Any:
-    # unpackb on one whole frame; every length bounded by the frame so that a
-    # forged header cannot make msgpack allocate more than the frame's size
-    return msgpack.unpackb(
-        data, raw=False, use_list=True, strict_map_key=True,
-        object_pairs_hook=_str_map, ext_hook=ext_hook,
-        max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n, max_ext_len=n,
-    )
+def _unpackb(data: bytes, ext_hook: Any) -> Any:
+    return msgpack.unpackb(data, strict_map_key=True, object_pairs_hook=_map_hook(data), ext_hook=ext_hook)
+
+
+def _map_hook(data: Any) -> Any:
+    if isinstance(data, (bytes, bytearray)) and 0xC4 not in data and 0xC5 not in data and 0xC6 not in data:
+        return _unique_map  # no bin anywhere, so no bytes key
+    return _str_map
+
+
+def _unique_map(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ProtocolError("a map has duplicate keys")
+    return out
 
 
 def _str_map(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
     out = dict(pairs)
     if len(out) != len(pairs):
         raise ProtocolError("a map has duplicate keys")
-    for key in out:
-        if not isinstance(key, str):  # strict_map_key still admits bytes keys
-            raise ProtocolError(f"map keys must be str, got {key!r}")
+    if bytes in map(type, out):  # strict_map_key let through str and bytes only
+        raise ProtocolError(f"map keys must be str, got {next(k for k in out if type(k) is not str)!r}")
     return out
 
 
@@ -316,10 +469,10 @@ def _no_ext(code: int, payload: bytes) -> Any:
 
 
 def _decode_ext(code: int, payload: bytes, dec: TensorDecoder) -> Any:
-    decode = {EXT_INLINE: _decode_inline, EXT_SHM: _decode_shm, EXT_CUDA_IPC: _decode_cuda}.get(code)
+    decode = _EXT_DECODERS.get(code)
     if decode is None:
         raise ProtocolError(f"unknown extension type {code}")
-    return decode(_unpackb(payload, len(payload), _no_ext), dec)
+    return decode(_unpackb(payload, _no_ext), dec)
 
 
 def _check_dtype(name: Any) -> str:
@@ -339,10 +492,13 @@ def _check_dims(dims: Any, what: str, ndim: int | None = None) -> list[int]:
     return dims
 
 
-def _check_nbytes(name: str, shape: list[int], nbytes: int) -> None:
-    expected = math.prod(shape) * _ITEMSIZE[name]
-    if expected != nbytes or nbytes > MAX_TENSOR_BYTES:
-        raise ProtocolError(f"tensor of shape {shape} and dtype {name} needs {expected} bytes, got {nbytes}")
+def _check_nbytes(name: str, shape: list[int], nbytes: int) -> int:
+    """The element count, once the byte count matches it."""
+    count = math.prod(shape)
+    if count * _ITEMSIZE[name] != nbytes or nbytes > MAX_TENSOR_BYTES:
+        raise ProtocolError(f"tensor of shape {shape} and dtype {name} needs {count * _ITEMSIZE[name]} bytes, "
+                            f"got {nbytes}")
+    return count
 
 
 def _check_fields(body: Any, keys: frozenset[str], what: str) -> dict[str, Any]:
@@ -358,8 +514,8 @@ def _decode_inline(body: Any, dec: TensorDecoder) -> Any:
     name, shape, raw = _check_dtype(body[0]), _check_dims(body[1], "shape"), body[2]
     if not isinstance(raw, bytes):
         raise ProtocolError(f"inline tensor data must be bytes, got {type(raw).__name__}")
-    _check_nbytes(name, shape, len(raw))
-    return _build(bytearray(raw), name, shape, dec)  # bytearray: writable, owned
+    count = _check_nbytes(name, shape, len(raw))
+    return _build(bytearray(raw), name, shape, count, dec)  # bytearray: writable, owned
 
 
 def _decode_shm(body: Any, dec: TensorDecoder) -> Any:
@@ -370,7 +526,7 @@ def _decode_shm(body: Any, dec: TensorDecoder) -> Any:
         raise ProtocolError(f"segment must be a str, got {segment!r}")
     if not _is_int(offset) or not _is_int(nbytes) or offset < 0 or nbytes < 0:
         raise ProtocolError(f"offset and nbytes must be ints >= 0, got {offset!r}, {nbytes!r}")
-    _check_nbytes(name, shape, nbytes)
+    count = _check_nbytes(name, shape, nbytes)
     if offset % _ITEMSIZE[name]:
         raise ProtocolError(f"offset {offset} is not aligned to the {name} element size")
     if dec.mapper is None:
@@ -378,17 +534,16 @@ def _decode_shm(body: Any, dec: TensorDecoder) -> Any:
     view = dec.mapper.view(segment, offset, nbytes)
     if len(view) != nbytes:
         raise ProtocolError(f"mapper returned {len(view)} bytes for {segment}+{offset}, expected {nbytes}")
-    return _build(view, name, shape, dec)
+    return _build(view, name, shape, count, dec)
 
 
-def _build(buf: Any, name: str, shape: list[int], dec: TensorDecoder) -> Any:
-    count = math.prod(shape)
+def _build(buf: Any, name: str, shape: list[int], count: int, dec: TensorDecoder) -> Any:
     if name == "bool" and count and np.frombuffer(buf, dtype=np.uint8).max() > 1:
         raise ProtocolError("bool tensor holds bytes other than 0 and 1")
     if dec.tensor_type == "numpy":
         if name == "bfloat16":
             raise ProtocolError("bfloat16 has no numpy dtype; decode with tensor_type='torch'")
-        return np.frombuffer(buf, dtype=_NP_DTYPES[name], count=count).reshape(shape)
+        return np.frombuffer(buf, dtype=_NP_DTYPE_OF[name], count=count).reshape(shape)
     import torch
 
     dtype = getattr(torch, name)
@@ -440,3 +595,6 @@ def _decode_cuda(body: Any, dec: TensorDecoder) -> Any:
         )
     except RuntimeError as exc:
         raise ProtocolError(f"could not open the CUDA IPC handle: {exc}") from exc
+
+
+_EXT_DECODERS = {EXT_INLINE: _decode_inline, EXT_SHM: _decode_shm, EXT_CUDA_IPC: _decode_cuda}

@@ -210,3 +210,201 @@ def _hold_gil(seconds: float) -> None:
     sum(range(n))
     per_item = max(time.perf_counter() - started, 1e-6) / n
     sum(range(int(seconds / per_item)))
+
+
+# --------------------------------------------------------------------------- fault injection (test_kill_matrix)
+
+#: the ways a rank dies in the kill matrix
+DEATHS = ("sigkill", "sigterm", "segv", "exit", "sigstop")
+#: where a rank is when it dies
+STAGES = ("decode", "plugin", "collective", "encode", "idle")
+
+
+def die(how: str) -> None:
+    """End this process now, the way ``how`` says; never returns.
+
+    "segv" dereferences NULL (core dumps off first: a 300 MB core per case would
+    swamp the disk); "sigstop" stops the whole process, which the supervisor can
+    only notice by the missing heartbeats.
+    """
+    import os
+    import signal
+
+    if how == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif how == "sigterm":
+        os.kill(os.getpid(), signal.SIGTERM)
+    elif how == "segv":
+        import ctypes
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+        ctypes.string_at(0)
+    elif how == "exit":
+        os._exit(1)
+    elif how == "sigstop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        raise ValueError(f"unknown way of dying {how!r}; ways: {DEATHS}")
+    while True:  # a signal sent to ourselves may land a moment later; a stopped one never resumes here
+        time.sleep(60)
+
+
+def _die_later(how: str, after_s: float) -> None:
+    def run() -> None:
+        time.sleep(after_s)
+        die(how)
+
+    threading.Thread(target=run, name="phyrt-test-die", daemon=True).start()
+
+
+def _arm_reply_encoding(how: str) -> None:
+    """The next "done" this rank encodes kills it (the serve loop calls wire.pack_message)."""
+    from runtime import wire
+
+    original = wire.pack_message
+
+    def pack_message(*args: Any, **kwargs: Any) -> bytes:
+        if args and args[0] == "done":
+            die(how)
+        return original(*args, **kwargs)
+
+    wire.pack_message = pack_message
+
+
+def _arm_request_decoding(how: str) -> None:
+    """The next request this rank decodes kills it, once its frame is decoded (shared
+    memory mapped and all) and before the plugin sees it."""
+    from runtime import wire
+
+    original = wire.unpack_message
+
+    def unpack_message(data: Any, **kwargs: Any) -> Any:
+        msg = original(data, **kwargs)
+        if "request" in (kwargs.get("expected_types") or ()):
+            die(how)
+        return msg
+
+    wire.unpack_message = unpack_message
+
+
+def _arm_arena_placement(how: str) -> None:
+    """The next block this rank places in its result arena kills it right after the
+    placement (a large result grows the arena by a fresh, still-linked segment first)."""
+    import gc
+    import warnings
+
+    from runtime.shm import ShmArena
+
+    with warnings.catch_warnings():  # isinstance() on torch's deprecated module attributes warns
+        warnings.simplefilter("ignore")
+        arenas = [obj for obj in gc.get_objects() if isinstance(obj, ShmArena)]
+    for arena in arenas:
+        original = arena.place
+
+        def place(nbytes: int, _original=original) -> Any:
+            placed = _original(nbytes)
+            die(how)
+            return placed
+
+        arena.place = place
+
+
+import numpy as _np  # noqa: E402 - this section's own import, kept with it
+
+
+class LethalArray(_np.ndarray):
+    """A result whose encoding kills the rank: the wire codec reads ``nbytes`` while it encodes."""
+
+    how = "sigkill"
+
+    @property
+    def nbytes(self) -> int:  # type: ignore[override]
+        die(self.how)
+        return 0
+
+
+class KillProbeRunner(TPProbeRunner):
+    """TPProbe plus "die", "reduce" and "hold_gil".
+
+    ``{"op": "die", "stage": S, "how": H, "ranks": [r]}``: the chosen ranks die the
+    way H says (``die``) at stage S; the others behave as real ranks would:
+
+    plugin      in execute; the others wait in a world barrier the chosen never joins
+    collective  every rank loops world all_reduces of 1 MiB for up to ``for_s``; a thread
+                of the chosen rank kills it ``after_s`` into the loop, i.e. inside a collective
+    encode      the output rank returns a ``LethalArray`` (dies while its reply is encoded);
+                a non-output rank dies while encoding its (result-less) "done"
+    decode      arms the chosen rank: it dies while decoding the NEXT request
+    idle        arms a thread of the chosen rank that kills it ``after_s`` after this
+                request returned, while its serve loop waits for work
+    reply_shm   arms the chosen (output) rank: the next result-arena placement kills it
+                right after it was made (large results grow the arena first)
+
+    ``{"op": "reduce", "x": tensor}``: the world sum of ``x`` (needs every rank).
+    ``{"op": "hold_gil", "s": seconds}``: keep the GIL that long in one C call (no other
+    thread of the rank runs meanwhile, its heartbeat and death watch included).
+    """
+
+    def execute(self, request: dict) -> Any:
+        import torch
+
+        from runtime import parallel as P
+
+        op = request["op"]
+        if op == "reduce":
+            y = request["x"].clone()
+            P.all_reduce(y, group="world")
+            return {"sum": float(y.sum()), "replica": self.ctx.replica_index}
+        if op == "hold_gil":
+            _hold_gil(request["s"])
+            return {"held": request["s"]}
+        if op != "die":
+            return super().execute(request)
+        stage, how = request["stage"], request["how"]
+        chosen = P.rank("world") in request["ranks"]
+        if stage == "plugin":
+            if chosen:
+                die(how)
+            P.barrier("world")
+            return None
+        if stage == "collective":
+            if chosen:
+                _die_later(how, request.get("after_s", 0.3))
+            x = torch.ones(1 << 18)
+            deadline = time.monotonic() + request.get("for_s", 30.0)
+            while time.monotonic() < deadline:
+                P.all_reduce(x, group="world", op="max")
+            return None
+        if stage == "encode":
+            if chosen and P.is_output_rank():
+                lethal = _np.zeros(4, _np.float32).view(LethalArray)
+                lethal.how = how
+                return {"x": lethal}
+            if chosen:
+                _arm_reply_encoding(how)
+            return {"encoded": True}
+        if stage == "decode":
+            if chosen:
+                _arm_request_decoding(how)
+            return {"armed": list(request["ranks"]), "replica": self.ctx.replica_index}
+        if stage == "idle":
+            if chosen:
+                _die_later(how, request.get("after_s", 0.5))
+            return {"armed": list(request["ranks"]), "replica": self.ctx.replica_index}
+        if stage == "reply_shm":
+            if chosen:
+                _arm_arena_placement(how)
+            return {"armed": list(request["ranks"]), "replica": self.ctx.replica_index}
+        raise ValueError(f"unknown stage {stage!r}; stages: {STAGES}")
+
+
+class KillProbe(TPProbe):
+    """TPProbe whose ranks can be made to die at a chosen stage (see ``KillProbeRunner``)."""
+
+    name = "kill-probe"
+    OPS = TPProbe.OPS | {"die", "reduce", "hold_gil"}
+
+    def build(self, ctx, plugin_args):
+        super().build(ctx, plugin_args)  # the same build-time switches
+        return KillProbeRunner(ctx)

@@ -1,0 +1,251 @@
+"""Property tests (hypothesis, bounded) for every decoder that reads another process's
+bytes: only ``ProtocolError`` may come out, nothing else, and nothing hangs.
+
+    property                                                   target (bench/fuzz.py)
+    a rank's inbox and control decoding, with a real           decode_worker
+      ShmMapper and forged shared-memory references
+    the supervisor's decoding of a rank's messages             decode_supervisor
+    the server's header and tensor-frame decoding, with        decode_server
+      the segments a client registered
+    the client's decoding of replies                           decode_client
+    the server's whole message handling (Server._handle        ServerHandle.feed
+      over an inline engine): every message gets a typed
+      reply, never an exception out of the I/O thread's step
+
+Forged references point at a live segment of the run (offsets at, past, before its end,
+misaligned, huge), at another run's live segment, at names of the run that do not exist,
+and at decoys in /dev/shm named like segments of the run: a symlink to a live segment,
+a directory, a FIFO (an open() that blocks would hang) and an empty file.
+
+Every example runs under ``bench.fuzz.no_hang`` (SIGALRM): past ``HANG_S`` it fails as a
+hang. ``tests/test_wire.py`` fuzzes the wire codec without shared memory; this module
+adds the rest. ``python -m bench.fuzz --minutes N`` runs the same targets for longer.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bench.fuzz import (DTYPES, EDGE_INTS, FuzzContext, Inputs, ServerHandle, check_reply, decode_client,
+                        decode_server, decode_supervisor, decode_worker, no_hang, run_target)
+from runtime import protocol, wire
+
+pytestmark = [pytest.mark.timeout(300)]
+ROOT = Path(__file__).resolve().parents[1]
+HANG_S = 5.0
+_HYPO = settings(max_examples=300, deadline=None, database=None,
+                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                        HealthCheck.data_too_large])
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    context = FuzzContext()
+    yield context
+    context.close()
+
+
+@pytest.fixture(scope="module")
+def handle(ctx):
+    server = ServerHandle(ctx)
+    yield server
+    server.settle()
+    server.close()
+
+
+# --------------------------------------------------------------------------- strategies
+
+
+class Name(int):
+    """A placeholder for ``ctx.names[i]``: segment names exist only once the fixture ran."""
+
+
+class Ext:
+    """A placeholder extension, packed once its names are known."""
+
+    def __init__(self, code: int, body: Any) -> None:
+        self.code, self.body = code, body
+
+
+def realize(obj: Any, ctx: FuzzContext) -> Any:
+    if isinstance(obj, Name):
+        return ctx.names[int(obj) % len(ctx.names)]
+    if isinstance(obj, Ext):
+        body = obj.body if isinstance(obj.body, bytes) else msgpack.packb(realize(obj.body, ctx), use_bin_type=True)
+        return msgpack.ExtType(obj.code, body)
+    if isinstance(obj, list):
+        return [realize(x, ctx) for x in obj]
+    if isinstance(obj, dict):
+        return {k: realize(v, ctx) for k, v in obj.items()}
+    return obj
+
+
+names = st.integers(0, 200).map(Name)
+scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.sampled_from(EDGE_INTS)
+           | st.floats() | st.text(max_size=8) | st.binary(max_size=16)
+           | st.sampled_from(["request", "free", "shutdown", "done", "ready", "submit", "register", *DTYPES]))
+dtypes = st.sampled_from(DTYPES) | st.sampled_from(["complex64", "object", ""]) | scalars
+dims = (st.lists(st.integers(-2, 5) | st.sampled_from([1024, 2**40, 2**44, 2**45, True, 1.5]), max_size=5)
+        | st.sampled_from([[1] * 17, "3", None, {}]))
+offsets = st.sampled_from([0, 2, 4, 8, 64, 4096, 65532, 65536, 65600, 2**40, 2**63 - 1, -4, True, None]) \
+    | st.integers(-8, 1 << 17)
+segment_fields = {"segment": names | scalars, "offset": offsets, "nbytes": st.integers(-1, 1 << 17) | offsets,
+                  "dtype": dtypes, "shape": dims}
+wire_descriptors = st.one_of(
+    st.tuples(dtypes, dims, st.binary(max_size=64) | scalars).map(list).map(lambda b: Ext(wire.EXT_INLINE, b)),
+    st.fixed_dictionaries(segment_fields, optional={"extra": scalars}).map(lambda b: Ext(wire.EXT_SHM, b)),
+    st.fixed_dictionaries(dict.fromkeys(["size", "stride", "offset", "dtype", "device", "handle",
+                                         "storage_size_bytes", "storage_offset_bytes", "requires_grad",
+                                         "ref_counter_handle", "ref_counter_offset", "event_handle",
+                                         "event_sync_required"], scalars | dims))
+    .map(lambda b: Ext(wire.EXT_CUDA_IPC, b)),
+    st.tuples(st.integers(0, 127), st.binary(max_size=24)).map(lambda t: Ext(*t)),
+)
+frame_refs = st.one_of(
+    st.tuples(dtypes, dims, st.integers(-1, 4) | scalars).map(list).map(lambda b: Ext(protocol.EXT_FRAME, b)),
+    st.tuples(names | scalars, offsets, dtypes, dims).map(list).map(lambda b: Ext(protocol.EXT_SHM, b)),
+    st.tuples(st.integers(0, 127), st.binary(max_size=24)).map(lambda t: Ext(*t)),
+)
+
+
+def objects(leaves: st.SearchStrategy) -> st.SearchStrategy:
+    return st.recursive(scalars | leaves, lambda inner: st.lists(inner, max_size=4)
+                        | st.dictionaries(st.text(max_size=6) | st.sampled_from(["x", "v", "obs"]), inner, max_size=4),
+                        max_leaves=12)
+
+
+wire_objects = objects(wire_descriptors)
+wire_messages = st.fixed_dictionaries(
+    {"v": st.just(1) | scalars,
+     "type": st.sampled_from(["request", "free", "shutdown", "ready", "done", "startup_error"]) | scalars,
+     "id": st.integers(0, 9) | scalars},
+    optional={"payload": wire_objects, "blocks": st.lists(st.lists(names | scalars, max_size=3), max_size=3)
+              | wire_objects, "segments": st.lists(names | scalars, max_size=3), "ok": scalars,
+              "result": wire_objects})
+frame_objects = objects(frame_refs)
+ids = st.integers(0, 2**64 - 1) | st.text(max_size=130) | scalars
+OPS = ["submit", "cancel", "ping", "info", "register", "release"]
+server_messages = st.fixed_dictionaries(
+    {"v": st.just(1) | scalars, "op": st.sampled_from(OPS) | scalars, "id": ids},
+    optional={"payload": frame_objects, "timeout_s": st.floats() | scalars, "shm_results": scalars,
+              "run_id": scalars | st.sampled_from(["", "abcd", "0" * 33]), "segments": st.lists(names | scalars,
+                                                                                                   max_size=70),
+              "pid": scalars, "blocks": st.lists(st.lists(names | scalars, max_size=3), max_size=4) | scalars,
+              "target": ids, "extra": scalars})
+reply_messages = st.fixed_dictionaries(
+    {"v": st.just(1) | scalars, "op": st.sampled_from(OPS + ["inputs_done"]) | scalars, "id": ids},
+    optional={"ok": st.booleans() | scalars, "result": frame_objects, "inputs_held": scalars,
+              "error": st.fixed_dictionaries({"type": st.sampled_from(list(protocol.ERROR_TYPES)) | scalars,
+                                              "message": scalars}) | scalars})
+tensor_frames = st.lists(st.binary(max_size=64) | st.sampled_from([b"", b"\0" * 4096]), max_size=4)
+
+
+def packed(message: dict, ctx: FuzzContext) -> bytes:
+    return msgpack.packb(realize(message, ctx), use_bin_type=True)
+
+
+# --------------------------------------------------------------------------- the ranks' and the supervisor's decoding
+
+
+@_HYPO
+@given(wire_messages)
+def test_a_ranks_decoding_of_forged_messages_raises_only_protocol_error(ctx, message):
+    run_target(decode_worker, ctx, packed(message, ctx), HANG_S)
+
+
+@_HYPO
+@given(wire_messages)
+def test_the_supervisors_decoding_of_forged_messages_raises_only_protocol_error(ctx, message):
+    run_target(decode_supervisor, ctx, packed(message, ctx), HANG_S)
+
+
+@_HYPO
+@given(st.data())
+def test_mutated_valid_messages_raise_only_protocol_error_in_every_decoder(ctx, data):
+    inputs = Inputs(ctx, data.draw(st.integers(0, 2**32), label="seed"))
+    seeds = inputs._wire_seeds
+    good = seeds[data.draw(st.integers(0, len(seeds) - 1), label="message")]
+    donor = seeds[data.draw(st.integers(0, len(seeds) - 1), label="donor")]
+    pos = data.draw(st.integers(0, len(good)), label="at")
+    cut = data.draw(st.integers(0, len(donor)), label="cut")
+    patch = data.draw(st.binary(max_size=8), label="patch")
+    mutated = good[:pos] + patch + donor[cut:]
+    for target in (decode_worker, decode_supervisor):
+        run_target(target, ctx, mutated, HANG_S)
+
+
+def test_the_decoys_and_the_forged_names_are_refused_with_protocol_errors(ctx):
+    """The shared-memory references the strategies draw from, each one checked by name."""
+    mapper_names = [n for n in ctx.names if n.startswith(f"phyrt-{ctx.run_id}-")]
+    assert len(mapper_names) >= 5  # the live segment, four decoys, missing names
+    for name in ctx.names:
+        body = {"segment": name, "offset": 0, "nbytes": 4, "dtype": "float32", "shape": [1]}
+        data = msgpack.packb({"v": 1, "type": "request", "id": 1,
+                              "payload": msgpack.ExtType(wire.EXT_SHM, msgpack.packb(body))})
+        decoded = run_target(decode_worker, ctx, data, HANG_S)
+        assert decoded == (name == ctx.segment), name  # only the live segment of the run maps
+
+
+# --------------------------------------------------------------------------- the server and the client
+
+
+@_HYPO
+@given(server_messages, tensor_frames)
+def test_the_servers_header_and_frame_decoding_raises_only_protocol_error(ctx, message, frames):
+    run_target(decode_server, ctx, [packed(message, ctx), *frames], HANG_S)
+
+
+@_HYPO
+@given(st.binary(max_size=200), tensor_frames)
+def test_random_header_bytes_raise_only_protocol_error(ctx, header, frames):
+    run_target(decode_server, ctx, [header, *frames], HANG_S)
+    run_target(decode_client, ctx, [header, *frames], HANG_S)
+
+
+@_HYPO
+@given(reply_messages, tensor_frames)
+def test_the_clients_reply_decoding_raises_only_protocol_error(ctx, message, frames):
+    run_target(decode_client, ctx, [packed(message, ctx), *frames], HANG_S)
+
+
+@settings(_HYPO, max_examples=150)
+@given(server_messages | st.binary(max_size=100), tensor_frames)
+def test_the_server_answers_every_message_with_a_typed_reply(handle, ctx, message, frames):
+    header = message if isinstance(message, bytes) else packed(message, ctx)
+    with no_hang(HANG_S):
+        handle.feed([header, *frames])  # AssertionError on a reply outside the protocol
+
+
+def test_the_servers_replies_to_submits_are_checked_too(handle, ctx):
+    """The fuzzed server answers valid submits once its engine is done (check_reply on each)."""
+    for frames in Inputs(ctx, 0)._frame_seeds[:2]:
+        handle.feed(frames)
+    handle.settle()
+    assert len(handle.server._requests) == 0
+    check_reply({"v": 1, "op": "submit", "id": 1, "ok": False, "error": {"type": "PluginError", "message": "m"}})
+    with pytest.raises(AssertionError):
+        check_reply({"v": 1, "op": "submit", "id": 1, "ok": False,
+                     "error": {"type": "PluginError", "message": 'Traceback (most recent call last):\n  File "x"'}})
+
+
+# --------------------------------------------------------------------------- the long-run harness
+
+
+@pytest.mark.timeout(180)
+def test_bench_fuzz_reports_inputs_and_no_crash(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "bench.fuzz", "--minutes", "0.1", "--seed", "7",
+                          "--out", str(tmp_path / "failures")], cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["crashes"] == 0 and report["hangs"] == 0, report
+    assert report["inputs"] > 0 and all(n > 0 for n in report["per_target"].values()), report
+    assert not (tmp_path / "failures").exists() or not list((tmp_path / "failures").iterdir())
