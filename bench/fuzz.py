@@ -53,9 +53,10 @@ import msgpack
 import numpy as np
 import zmq
 
-from runtime import protocol, wire
+from runtime import Engine, EngineArgs, protocol, register_plugin, wire
 from runtime.client_errors import error_from_reply
 from runtime.errors import ProtocolError
+from runtime.plugins import Entry
 from runtime.shm import ShmArena, ShmMapper, new_run_id
 
 WORKER_TYPES = frozenset({"request"})
@@ -242,24 +243,16 @@ def run_target(target: Callable[..., None], ctx: FuzzContext, data: Any, hang_s:
     return True
 
 
-Sink: Any = None  # the Entry class, made on first use (runtime.plugins brings torch)
-
-
 class SinkRunner:
     def execute(self, request: Any) -> Any:
         return request
 
 
-def _sink_entry() -> type:
-    from runtime.plugins import Entry
+class Sink(Entry):
+    """The fuzzed server's plugin: answers every request with the request itself."""
 
-    class Sink(Entry):
-        """Answers every request with the request itself, inspecting nothing."""
-
-        def build(self, build_ctx: Any, plugin_args: Any) -> Any:
-            return SinkRunner()
-
-    return Sink
+    def build(self, build_ctx: Any, plugin_args: Any) -> Any:
+        return SinkRunner()
 
 
 class ServerHandle:
@@ -267,12 +260,8 @@ class ServerHandle:
     ``feed(frames)`` runs the I/O thread's ``_handle`` on one message and collects replies."""
 
     def __init__(self, ctx: FuzzContext) -> None:
-        from runtime import Engine, EngineArgs, register_plugin
         from runtime.server import Server
 
-        global Sink
-        if Sink is None:
-            Sink = _sink_entry()
         register_plugin("phyrt-fuzz-sink", Sink)
         self.dir = tempfile.mkdtemp(prefix="phyrt-fuzz-")
         self.server = Server(Engine(EngineArgs(plugin="phyrt-fuzz-sink")), f"ipc://{self.dir}/fuzz.sock")
@@ -287,7 +276,7 @@ class ServerHandle:
 
     def feed(self, frames: list[bytes]) -> bool:
         """One message (at least one frame, as a ROUTER hands it over); True if some reply
-        so far said ok. AssertionError for a reply that breaks the protocol."""
+        so far said ok. ``BadReply`` for a reply that breaks the protocol."""
         self.server._handle(self.identity, [zmq.Frame(f) for f in frames])
         return self.feed_nothing()
 
@@ -311,16 +300,24 @@ class ServerHandle:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+class BadReply(Exception):
+    """A server reply outside the protocol (or carrying a traceback)."""
+
+
 def check_reply(reply: Any) -> None:
-    assert isinstance(reply, dict) and reply.get("v") == protocol.PROTOCOL_VERSION, reply
+    """Raise ``BadReply`` unless ``reply`` is ok, or an error of ``ERROR_TYPES`` without a traceback."""
+    if not isinstance(reply, dict) or reply.get("v") != protocol.PROTOCOL_VERSION:
+        raise BadReply(repr(reply)[:500])
     if reply.get("op") == "inputs_done":
         return
-    assert reply.get("ok") in (True, False), reply
-    if reply["ok"] is False:
-        error = reply.get("error")
-        assert isinstance(error, dict) and error.get("type") in protocol.ERROR_TYPES, reply
-        message = str(error.get("message"))
-        assert "Traceback" not in message and 'File "' not in message, message
+    if reply.get("ok") is True:
+        return
+    error = reply.get("error")
+    if reply.get("ok") is not False or not isinstance(error, dict) or error.get("type") not in protocol.ERROR_TYPES:
+        raise BadReply(repr(reply)[:500])
+    message = str(error.get("message"))
+    if "Traceback" in message or 'File "' in message:
+        raise BadReply(message[:2000])
 
 
 # --------------------------------------------------------------------------- inputs
@@ -336,8 +333,8 @@ class Inputs:
     def __init__(self, ctx: FuzzContext, seed: int) -> None:
         self.ctx = ctx
         self.rng = random.Random(seed)
-        self._wire_seeds = self._make_wire_seeds()
-        self._frame_seeds = self._make_frame_seeds()
+        self.wire_seeds = self._make_wire_seeds()
+        self.frame_seeds = self._make_frame_seeds()
 
     # valid messages, made by the real encoders
     def _tensors(self) -> list[Any]:
@@ -527,7 +524,7 @@ class Inputs:
         rng = self.rng
         roll = rng.random()
         if roll < 0.45:
-            return self.mutate(rng.choice(self._wire_seeds), rng.choice(self._wire_seeds))
+            return self.mutate(rng.choice(self.wire_seeds), rng.choice(self.wire_seeds))
         if roll < 0.9:
             return _packb(self.message())
         if roll < 0.95:
@@ -538,8 +535,8 @@ class Inputs:
         rng = self.rng
         roll = rng.random()
         if roll < 0.4:
-            seed = [bytes(f) for f in rng.choice(self._frame_seeds)]
-            donor = rng.choice(self._frame_seeds)[0]
+            seed = [bytes(f) for f in rng.choice(self.frame_seeds)]
+            donor = rng.choice(self.frame_seeds)[0]
             i = rng.randrange(len(seed))
             seed[i] = self.mutate(seed[i], donor)
             if rng.random() < 0.2:
@@ -626,16 +623,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=1.0, help="how long to fuzz")
     parser.add_argument("--seed", type=int, default=None, help="the generator's seed (default: random, printed)")
     parser.add_argument("--hang-s", type=float, default=5.0, help="an input running longer is a hang")
-    parser.add_argument("--out", default=None, help="save each failing input here (default: a temporary directory)")
+    parser.add_argument("--out", default=None,
+                        help="save each failing input here (default: $TMPDIR/phyrt-fuzz-failures-SEED)")
     opts = parser.parse_args(argv)
     if not 0 < opts.minutes <= 24 * 60:
         parser.error(f"--minutes must be in (0, 1440], got {opts.minutes}")
     seed = opts.seed if opts.seed is not None else random.SystemRandom().randrange(2**32)
-    out = opts.out or tempfile.mkdtemp(prefix="phyrt-fuzz-failures-")
+    # made only when an input fails: a clean run leaves nothing behind
+    out = opts.out or os.path.join(tempfile.gettempdir(), f"phyrt-fuzz-failures-{seed}")
     report = fuzz(opts.minutes * 60, seed, opts.hang_s, out)
     report["failures_dir"] = out if report["crashes"] or report["hangs"] else None
-    if not (report["crashes"] or report["hangs"]) and opts.out is None:
-        shutil.rmtree(out, ignore_errors=True)
     print(json.dumps(report), flush=True)
     return 1 if report["crashes"] or report["hangs"] else 0
 

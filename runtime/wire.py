@@ -133,11 +133,12 @@ _DEFAULT_DECODER = TensorDecoder()
 # The fast path lets msgpack's C packer walk the message and hands it, through
 # ``default=``, only what it cannot pack itself: tensors, numpy arrays and
 # numpy scalars. msgpack would also pack what the wire forbids (non-str map
-# keys, ExtType, Timestamp) and would not convert a strided memoryview, so one
-# cheap Python pass, _packable, first looks at the containers only: no paths
-# are built, and a container of plain scalars costs one C-level type scan.
+# keys, ExtType, Timestamp, nesting past MAX_DEPTH) and would refuse a strided
+# memoryview, so _packable first walks the dicts and lists, and only those: it
+# builds no paths, and a list of plain scalars costs it one C-level type scan.
 # Whatever it does not vouch for goes down the slow path, _encode, which builds
-# the message in Python and names the path of whatever it rejects.
+# the message in Python and names the path of whatever it rejects. A value that
+# default= rejects is located by identity only once it has failed.
 
 
 class _Unencodable(TypeError):
@@ -216,6 +217,7 @@ def _packable(d: dict[Any, Any], depth: int) -> bool:
 
 
 def _packable_seq(seq: list[Any] | tuple[Any, ...], depth: int) -> bool:
+    """_packable for a list or tuple that holds more than plain scalars, its items ``depth`` levels down."""
     if depth > MAX_DEPTH:
         return False
     for value in seq:
@@ -252,16 +254,16 @@ def _encode_leaf(obj: Any, enc: TensorEncoder, placed: list) -> Any:
 
 
 def _locate(fields: dict[str, Any], target: Any) -> str:
-    """The path of ``target`` inside the fields, for an error message (fast path only, so no cycles)."""
-    stack = list(fields.items())
+    """The path of ``target`` in the fields, first in packing order (fast path only: no cycles)."""
+    stack = list(fields.items())[::-1]
     while stack:
         path, obj = stack.pop()
         if obj is target:
             return path
         if type(obj) is dict:
-            stack.extend((f"{path}.{key}", value) for key, value in obj.items())
+            stack.extend([(f"{path}.{key}", value) for key, value in obj.items()][::-1])
         elif type(obj) in (list, tuple):
-            stack.extend((f"{path}[{i}]", value) for i, value in enumerate(obj))
+            stack.extend([(f"{path}[{i}]", value) for i, value in enumerate(obj)][::-1])
     return "<message>"
 
 
@@ -385,16 +387,20 @@ def _encode_cuda(t: Any, name: str, torch: Any) -> msgpack.ExtType:
 
 # --------------------------------------------------------------------------- decoding
 #
-# msgpack's C unpacker (unpackb, msgpack >= 1.0) bounds every length by the
-# frame, so that a forged header cannot make it allocate more than the frame's
-# size; its defaults are raw=False and use_list=True. With strict_map_key it
-# refuses keys other than str and bytes. What it cannot check
-# is left to one Python call per map (object_pairs_hook): duplicate keys, and
-# bytes keys. A bytes key needs a bin header (0xc4-0xc6) somewhere in the
-# frame, so a frame without one (a C-level memchr says so) gets the hook that
-# only counts keys; any other gets the one that also looks at their types.
+# msgpack's C unpacker does most of the checking: unpackb (msgpack >= 1.0)
+# bounds every length by the frame, so that a forged header cannot make it
+# allocate more than the frame's size, and strict_map_key refuses keys other
+# than str and bytes. The rest falls to one Python call per map
+# (object_pairs_hook): duplicate keys, and bytes keys. A bytes key needs a bin
+# header (0xc4-0xc6) somewhere in the frame, so a frame without one (three
+# C-level memchr) gets the hook that only counts keys, any other the one that
+# also checks their types. A small memoryview frame, what pyzmq hands over, is
+# copied to bytes for that scan; a larger one most likely holds bin anyway
+# (inline tensors). No hook at all, with duplicates caught by re-packing the
+# result and comparing bytes, costs more than the hook for the common message
+# of one or two maps.
 
-_SCAN_COPY_LIMIT = 64 * 1024  # a memoryview frame up to this size is copied to bytes to be scanned
+_SCAN_COPY_LIMIT = 4096
 
 
 def unpack_message(
@@ -413,8 +419,12 @@ def unpack_message(
     if n > max_bytes:
         raise ProtocolError(f"message of {n} bytes exceeds the limit of {max_bytes}")
     decoder = tensor_decoder or _DEFAULT_DECODER
+    if isinstance(data, (bytes, bytearray)) and 0xC4 not in data and 0xC5 not in data and 0xC6 not in data:
+        map_hook = _unique_map  # no bin anywhere, so no bytes key
+    else:
+        map_hook = _str_map
     try:
-        msg = msgpack.unpackb(data, strict_map_key=True, object_pairs_hook=_map_hook(data),
+        msg = msgpack.unpackb(data, strict_map_key=True, object_pairs_hook=map_hook,
                               ext_hook=lambda code, payload: _decode_ext(code, payload, decoder))
     except ProtocolError:
         raise
@@ -438,16 +448,6 @@ def unpack_message(
     return msg
 
 
-def _unpackb(data: bytes, ext_hook: Any) -> Any:
-    return msgpack.unpackb(data, strict_map_key=True, object_pairs_hook=_map_hook(data), ext_hook=ext_hook)
-
-
-def _map_hook(data: Any) -> Any:
-    if isinstance(data, (bytes, bytearray)) and 0xC4 not in data and 0xC5 not in data and 0xC6 not in data:
-        return _unique_map  # no bin anywhere, so no bytes key
-    return _str_map
-
-
 def _unique_map(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = dict(pairs)
     if len(out) != len(pairs):
@@ -469,10 +469,13 @@ def _no_ext(code: int, payload: bytes) -> Any:
 
 
 def _decode_ext(code: int, payload: bytes, dec: TensorDecoder) -> Any:
+    if code == EXT_INLINE:  # a list whose checks let no map through: no map hook needed
+        return _decode_inline(msgpack.unpackb(payload, strict_map_key=True, ext_hook=_no_ext), dec)
     decode = _EXT_DECODERS.get(code)
     if decode is None:
         raise ProtocolError(f"unknown extension type {code}")
-    return decode(_unpackb(payload, _no_ext), dec)
+    map_hook = _str_map if 0xC4 in payload or 0xC5 in payload or 0xC6 in payload else _unique_map
+    return decode(msgpack.unpackb(payload, strict_map_key=True, object_pairs_hook=map_hook, ext_hook=_no_ext), dec)
 
 
 def _check_dtype(name: Any) -> str:
@@ -597,4 +600,4 @@ def _decode_cuda(body: Any, dec: TensorDecoder) -> Any:
         raise ProtocolError(f"could not open the CUDA IPC handle: {exc}") from exc
 
 
-_EXT_DECODERS = {EXT_INLINE: _decode_inline, EXT_SHM: _decode_shm, EXT_CUDA_IPC: _decode_cuda}
+_EXT_DECODERS = {EXT_SHM: _decode_shm, EXT_CUDA_IPC: _decode_cuda}

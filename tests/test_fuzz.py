@@ -35,7 +35,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.fuzz import (DTYPES, EDGE_INTS, FuzzContext, Inputs, ServerHandle, check_reply, decode_client,
+from bench.fuzz import (DTYPES, EDGE_INTS, BadReply, FuzzContext, Inputs, ServerHandle, check_reply, decode_client,
                         decode_server, decode_supervisor, decode_worker, no_hang, run_target)
 from runtime import protocol, wire
 
@@ -172,7 +172,7 @@ def test_the_supervisors_decoding_of_forged_messages_raises_only_protocol_error(
 @given(st.data())
 def test_mutated_valid_messages_raise_only_protocol_error_in_every_decoder(ctx, data):
     inputs = Inputs(ctx, data.draw(st.integers(0, 2**32), label="seed"))
-    seeds = inputs._wire_seeds
+    seeds = inputs.wire_seeds
     good = seeds[data.draw(st.integers(0, len(seeds) - 1), label="message")]
     donor = seeds[data.draw(st.integers(0, len(seeds) - 1), label="donor")]
     pos = data.draw(st.integers(0, len(good)), label="at")
@@ -222,17 +222,17 @@ def test_the_clients_reply_decoding_raises_only_protocol_error(ctx, message, fra
 def test_the_server_answers_every_message_with_a_typed_reply(handle, ctx, message, frames):
     header = message if isinstance(message, bytes) else packed(message, ctx)
     with no_hang(HANG_S):
-        handle.feed([header, *frames])  # AssertionError on a reply outside the protocol
+        handle.feed([header, *frames])  # BadReply on a reply outside the protocol
 
 
 def test_the_servers_replies_to_submits_are_checked_too(handle, ctx):
     """The fuzzed server answers valid submits once its engine is done (check_reply on each)."""
-    for frames in Inputs(ctx, 0)._frame_seeds[:2]:
+    for frames in Inputs(ctx, 0).frame_seeds[:2]:
         handle.feed(frames)
     handle.settle()
     assert len(handle.server._requests) == 0
     check_reply({"v": 1, "op": "submit", "id": 1, "ok": False, "error": {"type": "PluginError", "message": "m"}})
-    with pytest.raises(AssertionError):
+    with pytest.raises(BadReply):
         check_reply({"v": 1, "op": "submit", "id": 1, "ok": False,
                      "error": {"type": "PluginError", "message": 'Traceback (most recent call last):\n  File "x"'}})
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import subprocess
 import sys
@@ -179,10 +180,73 @@ def test_encode_failure_frees_the_blocks_it_placed():
     ({"x": {1, 2}}, TypeError),
     ({"type": "clash"}, ValueError),
     ({"x": torch.zeros(2).to_sparse()}, TypeError),
+    ({"x": [{"y": {b"k": "bytes key"}}]}, TypeError),
+    ({"x": {"y": msgpack.Timestamp(1, 0)}}, TypeError),
+    ({"x": 2**64}, OverflowError),
 ])
 def test_encode_rejects(bad, error):
     with pytest.raises(error):
         pack_message("t", 1, **bad)
+
+
+def nested_lists(depth: int):
+    x = 1
+    for _ in range(depth):
+        x = [x]
+    return x
+
+
+def nested_dicts(depth: int):
+    x = 1
+    for _ in range(depth):
+        x = {"k": x}
+    return x
+
+
+@pytest.mark.parametrize("fields, error, match", [
+    ({"a": {"b": [1, {1, 2}]}}, TypeError, r"^a\.b\[1\]: cannot encode set$"),
+    ({"x": [np.zeros(2, np.uint32)]}, TypeError, r"^x\[0\]: dtype uint32 is not allowed"),
+    ({"x": {"y": (torch.zeros(1, dtype=torch.complex64),)}}, TypeError, r"^x\.y\[0\]: dtype torch\.complex64"),
+    ({"x": [{"y": {3: 0}}]}, TypeError, r"^x\[0\]\.y: map keys must be str, got 3$"),
+    ({"x": [{"y": {b"k": 0}}]}, TypeError, r"^x\[0\]\.y: map keys must be str, got b'k'$"),
+    ({"x": {"y": msgpack.Timestamp(1, 0)}}, TypeError, r"^x\.y: cannot encode Timestamp$"),
+    ({"x": nested_lists(33)}, ValueError, r"^x(\[0\]){32}: nested deeper than 32 levels$"),
+    ({"x": nested_dicts(33)}, ValueError, r"^x(\.k){32}: nested deeper than 32 levels$"),
+    ({"x": [nested_dicts(32)]}, ValueError, r"^x\[0\](\.k){31}: nested deeper than 32 levels$"),
+])
+def test_encode_errors_name_where_the_value_sat(fields, error, match):
+    with pytest.raises(error, match=match):
+        pack_message("t", 1, **fields)
+
+
+def test_nesting_up_to_the_limit_is_fine():
+    assert roundtrip(x=nested_lists(32))["x"] == nested_lists(32)
+    assert roundtrip(x=nested_dicts(32))["x"] == nested_dicts(32)
+
+
+class Key(str):
+    pass
+
+
+@pytest.mark.parametrize("value, expected", [
+    (collections.namedtuple("point", "a b")(1, [2]), [1, [2]]),
+    (collections.OrderedDict(a=(1,)), {"a": [1]}),
+    (memoryview(bytes(range(8)))[::2], bytes(range(0, 8, 2))),
+    (bytearray(b"ba"), b"ba"),
+    ({Key("s"): np.float64(0.5)}, {"s": 0.5}),
+    ([np.bool_(True), np.uint64(2**64 - 1), np.float16(0.5)], [True, 2**64 - 1, 0.5]),
+], ids=["namedtuple", "OrderedDict", "strided memoryview", "bytearray", "str subclass key", "numpy scalars"])
+def test_subclasses_and_views_travel_as_their_plain_forms(value, expected):
+    assert roundtrip(x=value)["x"] == expected
+    assert roundtrip(x=[{"y": value}])["x"] == [{"y": expected}]
+
+
+@pytest.mark.parametrize("n", [0, 1, 255, 256, 65535, 65536, 70000])
+def test_inline_payload_is_the_msgpack_of_dtype_shape_and_bytes(n):
+    for x in (np.arange(n, dtype=np.uint8), np.ones((n, 2), dtype=np.float32)):
+        ext = msgpack.unpackb(pack_message("t", 1, x=x))["x"]
+        assert ext.code == EXT_INLINE
+        assert ext.data == msgpack.packb([str(x.dtype), list(x.shape), x.tobytes()], use_bin_type=True)
 
 
 @pytest.mark.parametrize("kind, id_", [("", 1), (3, 1), ("t", True), ("t", 1.5), ("t", None)])
@@ -295,6 +359,12 @@ MALFORMED = {
     "unknown ext": with_ext(9, ["uint8", [1], b"\x00"]),
     "ext not msgpack": with_ext(EXT_INLINE, raw=b"\xc1"),
     "deep nesting": b"\x91" * 100_000 + b"\x00",
+    "nested duplicate key": b"\x84" + header()[1:] + b"\xa1x\x82\xa1a\x01\xa1a\x02",
+    "duplicate key beside bin": b"\x85" + header()[1:] + b"\xa1b\xc4\x01z\xa1v\x01",
+    "forged array length": b"\x84" + header()[1:] + b"\xa1x\xdd\xff\xff\xff\xff",
+    "forged map length": b"\x84" + header()[1:] + b"\xa1x\xdf\xff\xff\xff\xff",
+    "forged str length": b"\x84" + header()[1:] + b"\xa1x\xdb\xff\xff\xff\xff",
+    "forged ext length": b"\x84" + header()[1:] + b"\xa1x\xc9\xff\xff\xff\xff\x01",
 }
 
 
@@ -302,6 +372,30 @@ MALFORMED = {
 def test_malformed_messages(data):
     with pytest.raises(ProtocolError):
         unpack_message(data)
+
+
+@pytest.mark.parametrize("buffer", [bytearray, memoryview])
+@pytest.mark.parametrize("data", MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_messages_in_other_buffers(data, buffer):
+    with pytest.raises(ProtocolError):
+        unpack_message(buffer(data))
+
+
+@pytest.mark.parametrize("code", [b"\xdd", b"\xdf"])
+def test_forged_lengths_are_bounded_by_the_frame(code):
+    with pytest.raises(ProtocolError, match="exceeds max_"):  # refused before allocating 2**32 slots
+        unpack_message(b"\x84" + header()[1:] + b"\xa1x" + code + b"\xff\xff\xff\xff")
+
+
+@pytest.mark.parametrize("pad", [0, 100_000])  # small frames and large ones, which are checked differently
+@pytest.mark.parametrize("buffer", [bytes, bytearray, memoryview])
+def test_key_checks_hold_in_any_frame(pad, buffer):
+    head = b"\x85" + header()[1:] + b"\xa3pad" + msgpack.packb("p" * pad)
+    for tail, match in ((b"\xa1x\x81\xc4\x01k\x01", "must be str"), (b"\xa1x\x82\xa1a\x01\xa1a\x02", "duplicate"),
+                        (b"\xa1x\x83\xa1a\x01\xa1b\xc4\x00\xa1a\x02", "duplicate")):
+        with pytest.raises(ProtocolError, match=match):
+            unpack_message(buffer(head + tail))
+    assert unpack_message(buffer(head + b"\xa1x\x81\xa1k\xc4\x01b"))["x"] == {"k": b"b"}
 
 
 def test_type_allow_list_and_size_limit_and_input_type():
@@ -502,3 +596,32 @@ def test_cuda_ipc_round_trip_across_processes(tmp_path):
     r = run_python(_CUDA_CHILD, str(tmp_path / "msg"))
     assert r.returncode == 0 and r.stdout.strip() == "equal", r.stderr
     assert torch.equal(x[:, 0].cpu(), torch.tensor([0.0, 4.0, 8.0])) and bool((x[:, 1:] == -1).all())
+
+
+_plain_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)
+    | st.binary(max_size=8) | st.binary(max_size=8).map(bytearray) | st.integers(-(2**31), 2**31 - 1).map(np.int32)
+    | st.floats(width=32).map(np.float32) | st.floats().map(np.float64) | st.booleans().map(np.bool_),
+    lambda c: st.lists(c, max_size=4) | st.lists(c, max_size=4).map(tuple)
+    | st.dictionaries(st.text(max_size=4), c, max_size=4),
+    max_leaves=20,
+)
+
+
+def normalized(x):
+    if isinstance(x, dict):
+        return {k: normalized(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [normalized(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    return bytes(x) if isinstance(x, bytearray) else x
+
+
+@_HYPO
+@given(st.dictionaries(st.text(max_size=4).filter(lambda k: k not in ("v", "type", "id", "tensor_encoder")),
+                       _plain_values, max_size=4))
+def test_the_wire_is_the_msgpack_of_the_normalized_fields(fields):
+    """Tuples become lists, numpy scalars Python numbers, bytearrays bytes; nothing else changes."""
+    expected = {"v": PROTOCOL_VERSION, "type": "t", "id": 1, **normalized(fields)}
+    assert pack_message("t", 1, **fields) == msgpack.packb(expected, use_bin_type=True)
