@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -432,6 +433,8 @@ def unpack_message(
         raise ProtocolError(f"malformed message: {type(exc).__name__}: {exc}") from exc
     if type(msg) is not dict:
         raise ProtocolError(f"a message must be a msgpack map, got {type(msg).__name__}")
+    if _TIMESTAMP_MARKS.search(data) is not None:  # msgpack decodes ext -1 without ext_hook
+        _refuse_timestamps(msg, 0)
     if "v" not in msg or "type" not in msg or "id" not in msg:
         raise ProtocolError(f"message lacks the header keys {sorted(_RESERVED - msg.keys())}")
     # decoded values have exact types: an int here is never a bool, a str never a subclass
@@ -446,6 +449,24 @@ def unpack_message(
     if type(msg["id"]) is not int and type(msg["id"]) is not str:
         raise ProtocolError(f"message id must be an int or a str, got {msg['id']!r}")
     return msg
+
+
+#: how a msgpack Timestamp (extension -1) starts: fixext 4, fixext 8, ext 8 of 12 bytes. Bytes
+#: like these inside a str or bin only cost the walk below, which then finds nothing.
+_TIMESTAMP_MARKS = re.compile(rb"\xd6\xff|\xd7\xff|\xc7\x0c\xff")
+
+
+def _refuse_timestamps(value: Any, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise ProtocolError(f"nesting deeper than {MAX_DEPTH}")
+    if type(value) is msgpack.Timestamp:
+        raise ProtocolError("extension type -1 (msgpack Timestamp) is not allowed")
+    if type(value) is dict:
+        for item in value.values():
+            _refuse_timestamps(item, depth + 1)
+    elif type(value) is list:
+        for item in value:
+            _refuse_timestamps(item, depth + 1)
 
 
 def _unique_map(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from runtime import wire
 from runtime.errors import ProtocolError
 from runtime.shm import SHM_DIR, ShmArena, ShmMapper, new_run_id
 from runtime.wire import (
@@ -625,3 +626,17 @@ def test_the_wire_is_the_msgpack_of_the_normalized_fields(fields):
     """Tuples become lists, numpy scalars Python numbers, bytearrays bytes; nothing else changes."""
     expected = {"v": PROTOCOL_VERSION, "type": "t", "id": 1, **normalized(fields)}
     assert pack_message("t", 1, **fields) == msgpack.packb(expected, use_bin_type=True)
+
+
+@pytest.mark.parametrize("stamp", [msgpack.Timestamp(1, 0), msgpack.Timestamp(1, 5), msgpack.Timestamp(1 << 40, 7)])
+def test_a_msgpack_timestamp_anywhere_is_refused(stamp):
+    """msgpack decodes extension -1 itself (no ext_hook): the decoder must still refuse it."""
+    for body in ({"t": stamp}, {"x": [1, {"y": [stamp]}]}):
+        data = msgpack.packb({"v": wire.PROTOCOL_VERSION, "type": "submit", "id": 1, **body})
+        with pytest.raises(ProtocolError, match="Timestamp"):
+            wire.unpack_message(data)
+
+
+def test_timestamp_like_bytes_inside_a_string_are_harmless():
+    data = msgpack.packb({"v": wire.PROTOCOL_VERSION, "type": "submit", "id": 1, "s": "\xd6\xff", "b": b"\xd7\xff"})
+    assert wire.unpack_message(data)["b"] == b"\xd7\xff"
