@@ -36,9 +36,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
-import time
-from concurrent.futures import Future
 
 import numpy as np
 import rclpy
@@ -47,97 +44,44 @@ from rclpy.utilities import remove_ros_args
 from std_msgs.msg import Float32MultiArray, MultiArrayDimension
 
 from runtime.client import Client
+from runtime.streaming import ObservationGate
 
 
 class PolicyNode(Node):
-    """Bridges one observation topic to one action topic through a phyrt ``Client``."""
+    """Bridges one observation topic to one action topic through a phyrt ``Client``.
+
+    The gating (in flight, stale, malformed) is ``runtime.streaming.ObservationGate``'s;
+    this class only wires it to rclpy.
+    """
 
     def __init__(self, client: Client, obs_topic: str, action_topic: str, *, obs_dim: int = 32,
                  max_inflight: int = 1, max_age_s: float = 1.0, timeout_s: float = 5.0,
                  node_name: str = "phyrt_policy") -> None:
-        if max_inflight < 1:
-            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
-        if not (max_age_s > 0 and timeout_s > 0):
-            raise ValueError(f"max_age_s and timeout_s must be > 0, got {max_age_s} and {timeout_s}")
         super().__init__(node_name)
         self.client = client
-        self.obs_dim = obs_dim
-        self.max_inflight = max_inflight
-        self.max_age_s = max_age_s
-        self.timeout_s = timeout_s
-        self._lock = threading.Lock()  # inflight, counts, closed
-        self._inflight = 0
-        self._closed = False
-        self.counts = {"received": 0, "submitted": 0, "published": 0, "dropped_busy": 0, "dropped_malformed": 0,
-                       "dropped_stale": 0, "failed": 0}
         self._pub = self.create_publisher(Float32MultiArray, action_topic, 10)
+        log = self.get_logger()
+        self.gate = ObservationGate(client, lambda actions: self._pub.publish(action_message(actions)),
+                                    obs_dim=obs_dim, max_inflight=max_inflight, max_age_s=max_age_s,
+                                    timeout_s=timeout_s,
+                                    warn=lambda text: log.warning(text, throttle_duration_sec=5.0))
         self._sub = self.create_subscription(Float32MultiArray, obs_topic, self._on_obs, 1)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return self.gate.counts
 
     def _on_obs(self, msg: Float32MultiArray) -> None:
         """The executor's thread: never waits on the server."""
-        received = time.monotonic()
-        obs = np.asarray(msg.data, dtype=np.float32)
-        log = self.get_logger()
-        with self._lock:
-            if self._closed:
-                return
-            self.counts["received"] += 1
-            if obs.shape != (self.obs_dim,) or not np.isfinite(obs).all():
-                self.counts["dropped_malformed"] += 1
-                log.warning(f"ignored an observation of {obs.size} values (or NaN/inf): expected {self.obs_dim} "
-                            "finite floats", throttle_duration_sec=5.0)
-                return
-            if self._inflight >= self.max_inflight:
-                self.counts["dropped_busy"] += 1
-                log.warning(f"dropped an observation: {self._inflight} request(s) still in flight (--max-inflight "
-                            f"{self.max_inflight}); {self.counts['dropped_busy']} dropped so far",
-                            throttle_duration_sec=5.0)
-                return
-            self._inflight += 1
-            self.counts["submitted"] += 1
-        try:
-            future = self.client.submit({"obs": obs.reshape(1, self.obs_dim)}, timeout=self.timeout_s)
-        except Exception as exc:  # closed client or a lost connection: report, keep the node alive
-            self._finish("failed")
-            log.warning(f"could not submit an observation: {type(exc).__name__}: {exc}", throttle_duration_sec=5.0)
-            return
-        future.add_done_callback(lambda f: self._on_result(f, received))
-
-    def _on_result(self, future: Future, received: float) -> None:
-        """The client's I/O thread (or the submitting thread if already done): publish, never wait."""
-        log = self.get_logger()
-        if future.cancelled() or future.exception() is not None:
-            self._finish("failed")
-            if not self._closed:
-                error = "cancelled" if future.cancelled() else f"{type(future.exception()).__name__}: " \
-                                                               f"{future.exception()}"
-                log.warning(f"policy request failed: {error}", throttle_duration_sec=5.0)
-            return
-        age = time.monotonic() - received
-        if age > self.max_age_s:
-            self._finish("dropped_stale")
-            log.warning(f"dropped an action chunk {age:.3f} s after its observation (--max-age-s {self.max_age_s})",
-                        throttle_duration_sec=5.0)
-            return
-        actions = np.asarray(future.result()["actions"], dtype=np.float32)[0]  # [horizon, act_dim]
-        if self._finish("published"):
-            self._pub.publish(action_message(actions))
-
-    def _finish(self, outcome: str) -> bool:
-        """One request is over; False once the node is closed (publish nothing then)."""
-        with self._lock:
-            self._inflight -= 1
-            self.counts[outcome] += 1
-            return not self._closed
+        self.gate.offer(msg.data)
 
     def close(self) -> None:
         """Stop taking observations, then close the client (in-flight requests fail). Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+        if self.gate.closed:
+            return
+        self.gate.close()
         self.client.close()
-        self.get_logger().info(f"phyrt policy node closed: {self.counts}")
+        self.get_logger().info(f"phyrt policy node closed: {self.gate.counts}")
 
 
 def action_message(actions: np.ndarray) -> Float32MultiArray:

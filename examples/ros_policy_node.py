@@ -36,108 +36,47 @@ closes the client: requests still in flight fail and their actions are not publi
 from __future__ import annotations
 
 import argparse
-import threading
-import time
-from concurrent.futures import Future
 
 import numpy as np
 import rospy
 from std_msgs.msg import Float32MultiArray, MultiArrayDimension
 
 from runtime.client import Client
+from runtime.streaming import ObservationGate
 
 
 class PolicyNode:
-    """Bridges one observation topic to one action topic through a phyrt ``Client``."""
+    """Bridges one observation topic to one action topic through a phyrt ``Client``.
+
+    The gating (in flight, stale, malformed) is ``runtime.streaming.ObservationGate``'s;
+    this class only wires it to rospy.
+    """
 
     def __init__(self, client: Client, obs_topic: str, action_topic: str, *, obs_dim: int = 32,
                  max_inflight: int = 1, max_age_s: float = 1.0, timeout_s: float = 5.0) -> None:
-        if max_inflight < 1:
-            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
-        if not (max_age_s > 0 and timeout_s > 0):
-            raise ValueError(f"max_age_s and timeout_s must be > 0, got {max_age_s} and {timeout_s}")
         self.client = client
-        self.obs_dim = obs_dim
-        self.max_inflight = max_inflight
-        self.max_age_s = max_age_s
-        self.timeout_s = timeout_s
-        self._lock = threading.Lock()  # inflight, counts, closed
-        self._inflight = 0
-        self._closed = False
-        self.counts = {"received": 0, "submitted": 0, "published": 0, "dropped_busy": 0, "dropped_malformed": 0,
-                       "dropped_stale": 0, "failed": 0}
         self._pub = rospy.Publisher(action_topic, Float32MultiArray, queue_size=10)
+        self.gate = ObservationGate(client, lambda actions: self._pub.publish(action_message(actions)),
+                                    obs_dim=obs_dim, max_inflight=max_inflight, max_age_s=max_age_s,
+                                    timeout_s=timeout_s, warn=lambda text: rospy.logwarn_throttle(5.0, text))
         self._sub = rospy.Subscriber(obs_topic, Float32MultiArray, self._on_obs, queue_size=1)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return self.gate.counts
 
     def _on_obs(self, msg: Float32MultiArray) -> None:
         """rospy's subscriber thread: never waits on the server."""
-        received = time.monotonic()
-        obs = np.asarray(msg.data, dtype=np.float32)
-        with self._lock:
-            if self._closed:
-                return
-            self.counts["received"] += 1
-            if obs.shape != (self.obs_dim,) or not np.isfinite(obs).all():
-                self.counts["dropped_malformed"] += 1
-                malformed = True
-            elif self._inflight >= self.max_inflight:
-                self.counts["dropped_busy"] += 1
-                rospy.logwarn_throttle(5.0, f"dropped an observation: {self._inflight} request(s) still in flight "
-                                            f"(--max-inflight {self.max_inflight}); "
-                                            f"{self.counts['dropped_busy']} dropped so far")
-                return
-            else:
-                malformed = False
-                self._inflight += 1
-                self.counts["submitted"] += 1
-        if malformed:
-            rospy.logwarn_throttle(5.0, f"ignored an observation of {obs.size} values (or NaN/inf): "
-                                        f"expected {self.obs_dim} finite floats")
-            return
-        try:
-            future = self.client.submit({"obs": obs.reshape(1, self.obs_dim)}, timeout=self.timeout_s)
-        except Exception as exc:  # closed client or a lost connection: report, keep the node alive
-            self._finish("failed")
-            rospy.logwarn_throttle(5.0, f"could not submit an observation: {type(exc).__name__}: {exc}")
-            return
-        future.add_done_callback(lambda f: self._on_result(f, received))
-
-    def _on_result(self, future: Future, received: float) -> None:
-        """The client's I/O thread (or the submitting thread if already done): publish, never wait."""
-        if future.cancelled() or future.exception() is not None:
-            self._finish("failed")
-            if not self._closed:
-                error = "cancelled" if future.cancelled() else f"{type(future.exception()).__name__}: " \
-                                                               f"{future.exception()}"
-                rospy.logwarn_throttle(5.0, f"policy request failed: {error}")
-            return
-        age = time.monotonic() - received
-        if age > self.max_age_s:
-            self._finish("dropped_stale")
-            rospy.logwarn_throttle(5.0, f"dropped an action chunk {age:.3f} s after its observation "
-                                        f"(--max-age-s {self.max_age_s})")
-            return
-        actions = np.asarray(future.result()["actions"], dtype=np.float32)[0]  # [horizon, act_dim]
-        if not self._finish("published"):
-            return
-        self._pub.publish(action_message(actions))
-
-    def _finish(self, outcome: str) -> bool:
-        """One request is over; False once the node is closed (publish nothing then)."""
-        with self._lock:
-            self._inflight -= 1
-            self.counts[outcome] += 1
-            return not self._closed
+        self.gate.offer(msg.data)
 
     def close(self) -> None:
         """Stop taking observations, then close the client (in-flight requests fail). Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+        if self.gate.closed:
+            return
+        self.gate.close()
         self._sub.unregister()
         self.client.close()
-        rospy.loginfo(f"phyrt policy node closed: {self.counts}")
+        rospy.loginfo(f"phyrt policy node closed: {self.gate.counts}")
 
 
 def action_message(actions: np.ndarray) -> Float32MultiArray:
