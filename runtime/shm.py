@@ -25,8 +25,9 @@ a finalizer does the same if an arena is dropped without ``close()``.
 kill -9. A killed process runs no cleanup: its still-linked names stay in
 /dev/shm (the memory is freed once the last mapping goes). ``sweep_stale()``
 removes names whose creator pid is dead (or reused by a younger process);
-``sweep_run(run_id)`` removes every name of one run. Call one of them at start
-and after a group dies, and nothing leaks even if the whole tree was killed.
+``sweep_run(run_id)`` removes every name of one run, ``sweep_creators(run_id,
+pids)`` those of some of its processes (dead, reaped ranks). Call one of them at
+start and after a group dies, and nothing leaks even if the whole tree was killed.
 
 Blocks are 64-byte aligned and placed first-fit; freed blocks coalesce with
 their neighbours. A decoded tensor is a view: reusing a freed block overwrites
@@ -44,6 +45,7 @@ import secrets
 import stat
 import threading
 import weakref
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -381,6 +383,16 @@ def sweep_stale(prefix: str = "phyrt-") -> list[str]:
     """Unlink this user's phyrt names whose creator process is gone; return them."""
     stale = [n for n, m in _entries(prefix) if not _creator_alive(int(m.group(2)), n)]
     return sorted(n for n in stale if _unlink_quiet(n))
+
+
+def sweep_creators(run_id: str, pids: Iterable[int]) -> list[str]:
+    """Unlink every name of one run created by one of ``pids``; return them.
+
+    For processes known to be dead and reaped (e.g. the ranks of a failed group):
+    a name is only ever created by its owner, so none can appear after this."""
+    _check_run_id(run_id)
+    wanted = {int(pid) for pid in pids}
+    return sorted(n for n, m in _entries(f"phyrt-{run_id}-") if int(m.group(2)) in wanted and _unlink_quiet(n))
 
 
 def sweep_run(run_id: str) -> list[str]:

@@ -27,6 +27,29 @@ class RankState:
     last_beat: float = 0.0  # enforced once the rank is ready; startup_timeout_s covers the start
     ready: bool = False
     decoder: Any = None  # the wire decoder for this rank's answers (results map to its arena)
+    # under the supervisor's _process_lock: whether a reaper (or close()) owns stopping the
+    # process, and whether it was reaped and closed (``process`` is a ReapedProcess then)
+    claimed: bool = False
+    closed: bool = False
+
+
+@dataclass(frozen=True)
+class ReapedProcess:
+    """What is left of a rank's ``multiprocessing.Process`` once it was reaped and closed
+    (its pipes released): who it was and how it ended, with the same read-only API."""
+
+    pid: int
+    name: str
+    exitcode: int
+
+    def is_alive(self) -> bool:
+        return False
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass
@@ -48,6 +71,7 @@ class GroupState:
     failed: str | None = None
     frees: collections.deque = field(default_factory=collections.deque)
     inboxes: list = field(default_factory=list)  # one PUSH per rank, used under _submit_lock
+    # (the request arena is closed, its names unlinked, as soon as the group fails)
 
 
 class LockedArena:

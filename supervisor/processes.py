@@ -1,21 +1,77 @@
-"""The rank processes as the operating system sees them: how one died, how to stop
-a group (SIGTERM, a grace, SIGKILL), whether a rendezvous port is free, and the
-removal of run directories whose engine process no longer exists.
+"""The rank processes as the operating system sees them: the thread they are started
+from, how one died, how to stop a group (SIGTERM, a grace, SIGKILL), whether a
+rendezvous port is free, and the removal of run directories whose engine process no
+longer exists.
+
+Why ranks are started from a ``SpawnThread``: a rank must die within moments of its
+engine's SIGKILL whatever it is doing, a long C call that holds the GIL included, so
+the rank asks the kernel for it (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, first thing
+in ``workers.main.main``): no thread of the rank has to run. But the kernel's
+"parent" there is the *thread* that forked the rank (multiprocessing's spawn forks
+in the thread that calls ``Process.start()``), and the signal comes when that thread
+exits, even though the engine process lives on. The engine may be built from any
+thread (a short-lived one included), so the supervisor starts every rank from a
+thread of its own that does nothing else and lives until the supervisor's
+``close()`` has reaped the ranks; when the engine process dies, that thread dies
+with it and the kernel SIGKILLs the ranks. A reaper process was the alternative: it
+needs no GIL either, but it is one more process to start, to keep from leaking, and
+to tell apart from the ranks; this costs one idle thread.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import re
 import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, Callable
 
 #: a rank that does not exit this long after SIGTERM gets SIGKILL
 TERM_GRACE_S = 2.0
+
+
+class SpawnThread:
+    """The thread that starts the ranks and outlives them (see the module docstring).
+
+    ``call(fn)`` runs ``fn`` on this thread and returns its result or raises its
+    exception; ``stop()`` ends the thread, and must come only after the ranks it
+    started are gone (any still alive then get SIGKILL from the kernel).
+    """
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._calls.get()
+            if item is None:
+                return
+            fn, future = item
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+            del item, fn, future  # hold no process between calls
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        if not self._thread.is_alive():
+            raise RuntimeError("the spawn thread is stopped")
+        future: Future = Future()
+        self._calls.put((fn, future))
+        return future.result()
+
+    def stop(self) -> None:
+        self._calls.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(5)
 
 
 def describe_exit(process: Any) -> str:

@@ -19,10 +19,22 @@ Invariants:
 - A request is registered as pending before it is sent, so its "done" can never
   arrive first. Its clock starts at submission; deadlines are checked at least
   every ``heartbeat_interval_s`` and at each request's own deadline.
+- A request goes to every rank or to none: a rank's inbox PUSH without a peer
+  (its rank died; libzmq dropped the connection) would block, so a submit first
+  checks that every inbox can take it (POLLOUT) and sends with NOBLOCK; a rank
+  found unreachable fails the group from the caller, blamed on its exit status.
 - Any failure of a group (a rank exited, no heartbeat, a malformed message, a
   plugin exception, an execution timeout) fails the whole group exactly once:
-  its executor leaves the rotation, its ranks get SIGTERM then SIGKILL, and every
+  its executor leaves the rotation, its request arena is closed (names unlinked),
+  its ranks get SIGTERM then SIGKILL from a reaper thread, which then closes their
+  ``Process`` objects and sweeps the names they left in /dev/shm, and every
   pending future gets ``EngineUnavailableError`` naming the rank and the cause.
+  A rank's error that reads like a lost peer (gloo's "Connection reset by peer")
+  is blamed on a peer that has exited, if one has (or does within a moment): the
+  I/O thread may see the survivor's error before the dead rank's sentinel.
+- ``Process`` objects are touched under ``_process_lock`` once a reaper may close
+  them (a closed one is replaced by a ``ReapedProcess``: pid, name, exit code); the
+  I/O thread polls its own duplicates of the sentinels.
 - Shared memory: each replica's requests go through an arena this process owns;
   each rank answers through its own arena. A segment's name is unlinked as soon
   as every process that needs it has mapped it, and stale names of dead runs are
@@ -37,7 +49,9 @@ import collections
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -52,15 +66,23 @@ from runtime import wire
 from runtime.config import EngineArgs, WorkerSupervisorConfig, dtype_name
 from runtime.errors import EngineUnavailableError, ProtocolError, RemoteError, WorkerStartupError
 from runtime.futures import resolve
-from runtime.shm import ShmArena, ShmMapper, new_run_id, sweep_run, sweep_stale
-from supervisor.groups import GroupState, LockedArena, PendingRequest, RankState, ResultMapper, allocator_free
-from supervisor.processes import check_port_free, describe_exit, stop_ranks, sweep_run_dirs
+from runtime.shm import ShmArena, ShmMapper, new_run_id, sweep_creators, sweep_run, sweep_stale
+from supervisor.groups import (GroupState, LockedArena, PendingRequest, RankState, ReapedProcess, ResultMapper,
+                              allocator_free)
+from supervisor.processes import TERM_GRACE_S, SpawnThread, check_port_free, describe_exit, stop_ranks, sweep_run_dirs
 
 log = logging.getLogger("phyrt.supervisor")
 
 #: request and result arenas start this large (pre-faulted) and grow on demand
 ARENA_BYTES = 8 << 20
 _WORKER_TYPES = frozenset({"ready", "startup_error", "done"})
+#: how long a submit waits for a rank's inbox to be connected (it is, from "ready" on,
+#: unless the rank died) before the group fails
+INBOX_GRACE_S = 2.0
+#: how long a rank's error that reads like a lost peer waits for a peer's death to show
+PEER_DEATH_GRACE_S = 0.2
+_PEER_LOSS = re.compile(r"connection (?:reset|closed|refused|aborted)|by peer|broken pipe|econnreset|epipe"
+                        r"|remote process|gloo|nccl|socket|timed? ?out", re.IGNORECASE)
 
 
 class WorkerSupervisor:
@@ -75,6 +97,10 @@ class WorkerSupervisor:
         self._ids = itertools.count()
         self._closed = False
         self._submit_lock = threading.Lock()
+        # Process objects: a reaper closes them once reaped (RankState.closed); no use of one
+        # may overlap that (sentinels are waited on as duplicates)
+        self._process_lock = threading.Lock()
+        self._reapers: list[threading.Thread] = []
         self._startup = threading.Event()
         self._startup_error: BaseException | None = None
         sweep_stale()  # segments of runs whose processes were all killed
@@ -88,6 +114,8 @@ class WorkerSupervisor:
         self._wake_at = 0.0  # when the I/O thread next wakes by itself (monotonic)
         self._ctx = zmq.Context(1)
         self._groups: list[GroupState] = []
+        # ranks die with the thread that forked them (PR_SET_PDEATHSIG): one that outlives them
+        self._spawner = SpawnThread(f"phyrt-spawn-{self.run_id}")
         success = False
         try:
             self._router = self._ctx.socket(zmq.ROUTER)
@@ -153,7 +181,7 @@ class WorkerSupervisor:
                 }, use_bin_type=True)
                 process = mp.Process(target=worker_main, args=(boot,), name=f"phyrt-r{replica}-{rank}",
                                      daemon=True)
-                process.start()
+                self._spawner.call(process.start)
                 decoder = wire.TensorDecoder(mapper=ResultMapper(self._mapper, group, rank),
                                              allow_cuda_ipc=self._cuda)
                 group.ranks.append(RankState(replica, rank, device, process, decoder=decoder))
@@ -172,20 +200,57 @@ class WorkerSupervisor:
             raise EngineUnavailableError(f"replica {replica} is not serving: {group.failed}")
         request_id = next(self._ids)
         allocator = LockedArena(group)
-        payload = wire.pack_message("request", request_id, payload=request,
-                                    tensor_encoder=wire.TensorEncoder(allocator=allocator))
+        try:
+            payload = wire.pack_message("request", request_id, payload=request,
+                                        tensor_encoder=wire.TensorEncoder(allocator=allocator))
+        except Exception:
+            if group.failed is None:
+                raise
+            # the group failed meanwhile and its arena is closed (pack_message freed what it placed)
+            raise EngineUnavailableError(f"replica {replica} is not serving: {group.failed}") from None
         timeout = self.config.execution_timeout_s
         pending = PendingRequest(future, None if timeout is None else time.monotonic() + timeout,
                            segments={s for s, _ in allocator.placed}, blocks=allocator.placed)
-        with self._submit_lock:
-            if self._closed or group.failed is not None:
-                allocator_free(allocator)
-                raise EngineUnavailableError(f"replica {replica} is not serving: {group.failed or 'closed'}")
-            group.pending[request_id] = pending
-            for inbox in group.inboxes:
-                inbox.send(payload, copy=False)
-            if pending.deadline is not None and pending.deadline < self._wake_at:
-                self._push.send(b"wake")  # the I/O thread plans to sleep past this deadline
+        give_up = time.monotonic() + INBOX_GRACE_S
+        while True:
+            with self._submit_lock:
+                if self._closed or group.failed is not None:
+                    allocator_free(allocator)
+                    raise EngineUnavailableError(f"replica {replica} is not serving: {group.failed or 'closed'}")
+                # all or nothing: a PUSH without a peer blocks (or, NOBLOCK, raises zmq.Again)
+                unreachable = [i for i, inbox in enumerate(group.inboxes)
+                               if not inbox.getsockopt(zmq.EVENTS) & zmq.POLLOUT]
+                if not unreachable:
+                    group.pending[request_id] = pending
+                    for i, inbox in enumerate(group.inboxes):
+                        try:
+                            inbox.send(payload, copy=False, flags=zmq.NOBLOCK)
+                        except zmq.Again:  # its peer went since the check: the rank just died
+                            unreachable = [i]
+                            break
+                    else:
+                        if pending.deadline is not None and pending.deadline < self._wake_at:
+                            self._push.send(b"wake")  # the I/O thread plans to sleep past this deadline
+                        return
+                    # sent to some ranks only: the group fails below, and with it this request
+                    # (still pending, so that a surviving rank's answer is not "unknown")
+                    sent = True
+                else:
+                    sent = False
+            # outside the lock: the I/O thread may need it to fail this group meanwhile
+            wait_s = max(0.0, give_up - time.monotonic())
+            # sent to some: a peer was dropped, its rank is dying; else it may still be connecting
+            reason = self._dead_rank([group.ranks[i] for i in unreachable], wait_s if sent else min(wait_s, 0.05))
+            if reason is None and not sent and wait_s > 0:
+                continue
+            if reason is None:
+                reason = f"rank {unreachable[0]} stopped taking requests (its inbox has no connection)"
+            # futures are failed off this thread: the caller may hold locks their callbacks take
+            self._fail_group(group, reason, defer=True)
+            if sent:
+                return  # the future is pending in the failed group: the reaper fails it
+            allocator_free(allocator)
+            raise EngineUnavailableError(f"replica {replica} is not serving: {group.failed or reason}")
 
     # -- the I/O thread ------------------------------------------------------------
 
@@ -194,13 +259,15 @@ class WorkerSupervisor:
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._pull, zmq.POLLIN)
         sentinels: dict[int, RankState] = {}
-        for group in self._groups:
-            for r in group.ranks:
-                sentinels[r.process.sentinel] = r
-                poller.register(r.process.sentinel, zmq.POLLIN)
         started = time.monotonic()
         next_check = started
         try:
+            # duplicates: a reaper closes a rank's Process (its sentinel) on its own schedule
+            for group in self._groups:
+                for r in group.ranks:
+                    fd = os.dup(r.process.sentinel)
+                    sentinels[fd] = r
+                    poller.register(fd, zmq.POLLIN)
             while True:
                 now = time.monotonic()
                 if now >= next_check:
@@ -218,6 +285,7 @@ class WorkerSupervisor:
                     for fd in [fd for fd in events if fd in sentinels]:
                         r = sentinels.pop(fd)
                         poller.unregister(fd)
+                        os.close(fd)
                         self._rank_exited(r)
                 if time.monotonic() >= self._wake_at:
                     next_check = 0.0  # a request deadline is due: check now
@@ -227,6 +295,9 @@ class WorkerSupervisor:
             for group in self._groups:
                 self._fail_group(group, f"the supervisor's I/O thread failed: {exc!r}")
             self._finish_startup(WorkerStartupError(f"the supervisor's I/O thread failed: {exc!r}"))
+        finally:
+            for fd in sentinels:
+                os.close(fd)
 
     def _next_deadline(self) -> float:
         deadlines = [p.deadline for g in self._groups if g.failed is None
@@ -291,8 +362,16 @@ class WorkerSupervisor:
             raise ProtocolError(f"answer to unknown request {msg['id']!r}")
         if not msg.get("ok"):
             cause = RemoteError(str(msg.get("error_type")), str(msg.get("message")), str(msg.get("traceback", "")))
-            self._fail_group(group, f"rank {r.rank} raised {cause.remote_type}: {cause.remote_message} "
-                                    f"(request {msg['id']})", cause)
+            raised = f"rank {r.rank} raised {cause.remote_type}: {cause.remote_message} (request {msg['id']})"
+            # a peer that died (inside a collective, say) is to blame, not the rank that lost it;
+            # this thread may see the survivor's error before the dead rank's sentinel
+            grace = PEER_DEATH_GRACE_S if _PEER_LOSS.search(f"{cause.remote_type}: {cause.remote_message}") else 0.0
+            dead = self._dead_rank([x for x in group.ranks if x is not r], grace)
+            if dead is not None:
+                log.info("replica %d: %s, after its peer's death", group.index, raised)
+                self._fail_group(group, dead)
+            else:
+                self._fail_group(group, raised, cause)
             return
         if r.rank == 0:
             resolve(pending.future, result=msg.get("result"))
@@ -315,7 +394,27 @@ class WorkerSupervisor:
     def _rank_exited(self, r: RankState) -> None:
         group = self._groups[r.replica]
         if group.failed is None:
-            self._fail_group(group, f"rank {r.rank} {describe_exit(r.process)}")
+            self._fail_group(group, self._dead_rank([r]) or f"rank {r.rank} exited")
+
+    def _dead_rank(self, ranks: list[RankState], wait_s: float = 0.0) -> str | None:
+        """"rank K <how it exited>" for one of ``ranks`` whose process has exited (one killed
+        by a signal first, then the lowest), waiting up to ``wait_s`` for one to; else None."""
+        with self._process_lock:  # a reaped rank's process is a ReapedProcess, described all the same
+            exits = [(r.rank, describe_exit(r.process)) for r in ranks if r.closed]
+            # waited on without the lock: duplicates, as a reaper may close a Process meanwhile
+            live = {os.dup(r.process.sentinel): r for r in ranks if not r.closed}
+        try:
+            ready = multiprocessing.connection.wait(list(live), 0.0 if exits else wait_s) if live else []
+        finally:
+            for fd in live:
+                os.close(fd)
+        if ready:
+            with self._process_lock:
+                exits += [(live[fd].rank, describe_exit(live[fd].process)) for fd in ready]
+        if not exits:
+            return None
+        rank, how = min(exits, key=lambda e: ("signal" not in e[1], e[0]))
+        return f"rank {rank} {how}"
 
     def _check_deadlines(self, started: float) -> None:
         now = time.monotonic()
@@ -369,7 +468,9 @@ class WorkerSupervisor:
 
     # -- failure -------------------------------------------------------------------
 
-    def _fail_group(self, group: GroupState, reason: str, cause: BaseException | None = None) -> None:
+    def _fail_group(self, group: GroupState, reason: str, cause: BaseException | None = None, *,
+                    defer: bool = False) -> None:
+        """Fail ``group`` (once). ``defer``: its futures are failed by the reaper thread, not here."""
         with self._submit_lock:  # so that no submit slips in between the flag and the swap
             if group.failed is not None:
                 return
@@ -378,16 +479,47 @@ class WorkerSupervisor:
         message = f"replica {group.index} failed: {reason}"
         log.error(message)
         self._on_group_failed(group.index, reason)
-        for p in pending.values():
-            error = EngineUnavailableError(message)
-            error.__cause__ = cause
-            resolve(p.future, error=error)
-        threading.Thread(target=stop_ranks, args=([r.process for r in group.ranks],),
-                         name=f"phyrt-reaper-{group.index}", daemon=True).start()
+        with group.arena_lock:
+            # no rank will read a request of this group again: its names (a growth segment
+            # of a request in flight included) go now, and unused mappings with them
+            group.arena.close()
+        if not defer:
+            _fail_futures(pending, message, cause)
+            pending = {}
+        with self._process_lock:
+            ranks = [r for r in group.ranks if not r.claimed]
+            for r in ranks:
+                r.claimed = True
+            reaper = threading.Thread(target=self._reap, args=(ranks, pending, message, cause),
+                                      name=f"phyrt-reaper-{group.index}", daemon=True)
+            reaper.start()
+            self._reapers.append(reaper)
         if not self._startup.is_set():
             error = WorkerStartupError(f"replica {group.index} failed to start: {reason}")
             error.__cause__ = cause
             self._finish_startup(error)
+
+    def _reap(self, ranks: list[RankState], pending: dict[int, PendingRequest], message: str,
+              cause: BaseException | None) -> None:
+        _fail_futures(pending, message, cause)
+        stop_ranks([r.process for r in ranks])
+        self._release(ranks)
+
+    def _release(self, ranks: list[RankState]) -> None:
+        """Close the Process objects of reaped ranks (their pipes) and sweep the /dev/shm names
+        they left (a result arena grown and not yet unlinked, say)."""
+        dead = []
+        with self._process_lock:
+            for r in ranks:
+                process = r.process
+                if r.closed or process.exitcode is None:  # one that could not be killed keeps it
+                    continue
+                r.process = ReapedProcess(process.pid, process.name, process.exitcode)
+                process.close()
+                r.closed = True
+                dead.append(r.process.pid)
+        if dead:
+            sweep_creators(self.run_id, dead)
 
     def _finish_startup(self, error: BaseException | None) -> None:
         if not self._startup.is_set():
@@ -408,18 +540,30 @@ class WorkerSupervisor:
         if thread is not None:
             thread.join(10)
         for group in self._groups:
-            pending, group.pending = group.pending, {}
+            with self._submit_lock:  # a caller that found an inbox unreachable may fail a group meanwhile
+                pending, group.pending = group.pending, {}
+                serving = group.failed is None
+                if serving:
+                    group.failed = "the engine is closed"
             for p in pending.values():
                 resolve(p.future, error=EngineUnavailableError("the engine is closed"))
-            if group.failed is None:
-                group.failed = "the engine is closed"
+            if serving:
                 for r in group.ranks:
                     try:
                         self._router.send_multipart([f"c-{group.index}-{r.rank}".encode(),
                                                      wire.pack_message("shutdown", 0)])
                     except zmq.ZMQError:
                         pass
-        stop_ranks([r.process for g in self._groups for r in g.ranks], polite=True)
+        with self._process_lock:  # the ranks of failed groups are their reapers'
+            ranks = [r for g in self._groups for r in g.ranks if not r.claimed]
+            for r in ranks:
+                r.claimed = True
+            reapers = list(self._reapers)
+        stop_ranks([r.process for r in ranks], polite=True)
+        self._release(ranks)
+        for reaper in reapers:
+            reaper.join(TERM_GRACE_S + 10.0)
+        self._spawner.stop()  # only now: its end SIGKILLs any rank it started
         for group in self._groups:
             group.arena.close()
         self._mapper.close()
@@ -432,6 +576,13 @@ class WorkerSupervisor:
         self._ctx.term()
         shutil.rmtree(self.run_dir, ignore_errors=True)
         sweep_run(self.run_id)
+
+
+def _fail_futures(pending: dict[int, PendingRequest], message: str, cause: BaseException | None) -> None:
+    for p in pending.values():
+        error = EngineUnavailableError(message)
+        error.__cause__ = cause
+        resolve(p.future, error=error)
 
 
 def _parse_identity(identity: bytes) -> tuple[str, int | None, int]:

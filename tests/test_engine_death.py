@@ -4,13 +4,12 @@
     startup       its ranks are spawned and still starting (importing torch, joining the group)
     idle          ready; a 16 MiB round trip made both sides' arenas grow; nothing in flight
     request       a request carrying 16 MiB (a grown request segment) sleeps in the plugin
-    request_gil   a request holds the GIL inside the plugin, as a long C call does (strict xfail:
-                  the death watch is a Python thread, so the rank outlives its engine until
-                  the call returns)
+    request_gil   a request holds the GIL inside the plugin, as a long C call does (no thread
+                  of the rank can run: the kernel has to end it)
 
     this test ── SIGKILL ──> engine (python -c ENGINE_SCRIPT)
-                               ├── rank 0 ┐ death watch: EOF on the spawn pipe -> os._exit(70)
-                               ├── rank 1 ┘
+                               ├── rank 0 ┐ PR_SET_PDEATHSIG: the kernel SIGKILLs them when the
+                               ├── rank 1 ┘ engine's spawn thread dies with the engine
                                └── multiprocessing's resource tracker (exits once the pipe is gone)
 
 Each stage: every rank is gone within 2 s of the kill, and the whole tree soon after.
@@ -37,7 +36,8 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.conftest import close_engine, pid_alive, run_dirs, shm_names, start_engine, wait_until
+from tests.conftest import (close_engine, group_pids, pid_alive, run_dirs, shm_names, start_engine, tp_parallel,
+                            wait_until)
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("no_leaks")]
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,14 +154,7 @@ def kill_engine_at(stage: str, log: Path) -> dict[str, Any]:
         proc.stdout.close()
 
 
-@pytest.mark.parametrize("stage", [
-    "startup", "idle", "request",
-    pytest.param("request_gil", marks=pytest.mark.xfail(strict=True, reason=(
-        "BUG: a rank whose main thread holds the GIL (a plugin in a long C call: an extension, a "
-        "kernel that does not release the GIL) outlives its SIGKILLed engine until that call returns "
-        "(6 s after the kill here; forever if it never returns): the death watch (workers/main.py _watch_parent) is a "
-        "Python thread and needs the GIL to call os._exit; prctl(PR_SET_PDEATHSIG, SIGKILL) would not"))),
-])
+@pytest.mark.parametrize("stage", ["startup", "idle", "request", "request_gil"])
 def test_ranks_exit_within_2s_of_their_engines_sigkill(stage, tmp_path):
     result = kill_engine_at(stage, tmp_path / f"engine-{stage}.log")
     KILLED[stage] = result
@@ -185,3 +178,23 @@ def test_the_next_start_leaves_nothing_of_the_killed_engines():
     if out:
         with open(os.path.join(out, "engine_death.json"), "w") as f:
             json.dump({s: {k: v for k, v in r.items() if k != "tree"} for s, r in KILLED.items()}, f, indent=1)
+
+
+def test_an_engine_built_in_a_thread_that_ends_keeps_its_ranks():
+    """The ranks die with the thread that forked them (PR_SET_PDEATHSIG), so the supervisor
+    forks them from a thread of its own: the caller's thread may end at once."""
+    import threading
+
+    built = []
+    thread = threading.Thread(target=lambda: built.append(start_engine(parallel=tp_parallel(2))))
+    thread.start()
+    thread.join(120)
+    [engine] = built
+    try:
+        pids = group_pids(engine, 0)
+        time.sleep(1.0)
+        assert all(pid_alive(p) for p in pids)
+        assert engine.step({"op": "echo", "x": 3}, timeout=60) == 3
+        assert all(r.healthy for r in engine.replicas)
+    finally:
+        close_engine(engine)

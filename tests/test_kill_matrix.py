@@ -31,10 +31,10 @@ this process's fd count back where it started and no child process at all.
 Requests are sent to a chosen replica through its executor (``submit_to``), the
 dispatcher's own path minus the choice of replica.
 
-The last tests show bugs (strict xfail): shared-memory names that outlive a failed
-group, a rank death blamed on the surviving rank when the engine is busy, spawn pipes
-that ``Engine.close()`` leaves to the garbage collector, and a submit racing a rank's
-death that deadlocks the whole engine.
+The last tests guard against bugs they once showed (as strict xfails): shared-memory
+names that outlive a failed group, a rank death blamed on the surviving rank when the
+engine is busy, spawn pipes that ``Engine.close()`` left to the garbage collector, and a
+submit racing a rank's death that deadlocked the whole engine.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class ReplicaPool:
     Because an engine may be starting meanwhile, leaks are accounted per run, not by
     this process's total fd count (the module checks that at its ends): a retired
     engine leaves no socket fd under its run directory and none of its ranks' spawn
-    pipes open (after a gc pass: see the xfail at the end).
+    pipes open (``close()`` itself releases them: no gc pass is needed).
     """
 
     def __init__(self, victims: int) -> None:
@@ -155,8 +155,7 @@ class ReplicaPool:
             return
         run_dir = supervisor_of(engine).run_dir
         close_engine(engine)  # ranks, run directory and segments gone
-        del engine
-        gc.collect()  # the ranks' spawn pipes go with their Process objects (see the xfail below)
+        del engine  # no gc pass: close() itself closes the ranks' Process objects (their spawn pipes)
         assert run_sockets(run_dir) == {}, run_sockets(run_dir)
         assert [fd for fd, inode in self._pipes if _inode(fd) == inode] == [], "spawn pipes of a closed engine"
 
@@ -330,14 +329,14 @@ def test_a_rank_death_fails_its_replica_only_and_leaves_nothing(pool, stage, how
                     "blames_the_dead_rank": blamed})
 
 
-# --------------------------------------------------------------------------- bugs shown (strict xfail)
+# --------------------------------------------------------------------------- bugs once shown (were strict xfails)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: WorkerSupervisor._fail_group neither sweeps the dead ranks' segments nor releases the failed "
-    "group's request arena; runtime/shm.py asks for a sweep 'at start and after a group dies'. A request "
-    "that grew the arena (tensor > 8 MiB) and was in flight when its group failed keeps its segment "
-    "name phyrt-RUN-ENGINEPID-N (16 MiB of tmpfs) in /dev/shm until Engine.close()"))
+# Was a bug (fixed; this guards it): WorkerSupervisor._fail_group neither sweeps the dead ranks'
+# segments nor releases the failed group's request arena; runtime/shm.py asks for a sweep 'at
+# start and after a group dies'. A request that grew the arena (tensor > 8 MiB) and was in flight
+# when its group failed keeps its segment name phyrt-RUN-ENGINEPID-N (16 MiB of tmpfs) in /dev/shm
+# until Engine.close()
 def test_a_failed_group_leaves_no_name_of_its_request_in_flight(pool):
     slot = pool.take()
     sup = supervisor_of(slot.engine)
@@ -353,11 +352,10 @@ def test_a_failed_group_leaves_no_name_of_its_request_in_flight(pool):
     assert left == set(), f"names left in /dev/shm by the failed group while the engine serves on: {left}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a rank that dies after growing its result arena (a result > 8 MiB placed, not yet sent) leaves "
-    "the new segment's name phyrt-RUN-RANKPID-N in /dev/shm for as long as the engine runs: the "
-    "supervisor does not sweep the names of a failed group's dead ranks (runtime/shm.py: 'call one of "
-    "them at start and after a group dies')"))
+# Was a bug (fixed; this guards it): a rank that dies after growing its result arena (a result > 8
+# MiB placed, not yet sent) leaves the new segment's name phyrt-RUN-RANKPID-N in /dev/shm for as
+# long as the engine runs: the supervisor does not sweep the names of a failed group's dead ranks
+# (runtime/shm.py: 'call one of them at start and after a group dies')
 def test_a_rank_that_dies_with_a_large_reply_placed_leaves_no_name(pool):
     slot = pool.take()
     assert submit_to(slot.engine, slot.victim, {"op": "die", "stage": "reply_shm", "how": "sigkill",
@@ -369,13 +367,13 @@ def test_a_rank_that_dies_with_a_large_reply_placed_leaves_no_name(pool):
     assert shm_of(slot.pids) == [], f"names of dead ranks left in /dev/shm: {shm_of(slot.pids)}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: when the engine process is busy for a moment (here: the GIL held 3 s, as any long C call in a "
-    "caller thread does) while a rank dies inside a collective, the supervisor drains the ROUTER before "
-    "it looks at the rank sentinels, so the surviving rank's gloo error wins: the replica fails with "
-    "'rank 0 raised RuntimeError: [.../gloo/transport/tcp/pair.cc:...] ... Connection reset by peer' "
-    "instead of 'rank 1 was killed by signal SIGKILL', the cause is a RemoteError, and runtime.server "
-    "answers clients PluginError (not EngineUnavailable) for a killed rank"))
+# Was a bug (fixed; this guards it): when the engine process is busy for a moment (here: the GIL
+# held 3 s, as any long C call in a caller thread does) while a rank dies inside a collective, the
+# supervisor drains the ROUTER before it looks at the rank sentinels, so the surviving rank's gloo
+# error wins: the replica fails with 'rank 0 raised RuntimeError:
+# [.../gloo/transport/tcp/pair.cc:...] ... Connection reset by peer' instead of 'rank 1 was killed
+# by signal SIGKILL', the cause is a RemoteError, and runtime.server answers clients PluginError
+# (not EngineUnavailable) for a killed rank
 def test_a_rank_killed_in_a_collective_is_blamed_even_when_the_engine_is_busy(pool):
     from runtime.server_requests import _error_of
 
@@ -393,10 +391,10 @@ def test_a_rank_killed_in_a_collective_is_blamed_even_when_the_engine_is_busy(po
     assert reply_type == "EngineUnavailable", (reply_type, reply_message)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: Engine.close() leaves 2 pipe fds per rank open (multiprocessing's Popen sentinel and "
-    "preparation pipe: the supervisor never calls Process.close() on its ranks); they go only when the "
-    "engine's reference cycle is garbage-collected, i.e. at an unpredictable later gc pass"))
+# Was a bug (fixed; this guards it): Engine.close() leaves 2 pipe fds per rank open
+# (multiprocessing's Popen sentinel and preparation pipe: the supervisor never calls
+# Process.close() on its ranks); they go only when the engine's reference cycle is garbage-
+# collected, i.e. at an unpredictable later gc pass
 def test_close_returns_every_file_descriptor_without_the_garbage_collector(no_leaks):
     resource_tracker.ensure_running()
     gc.collect()
@@ -414,16 +412,16 @@ def test_close_returns_every_file_descriptor_without_the_garbage_collector(no_le
     assert left <= 0, f"{left} file descriptors still open after close(); {_fds() - before} after a gc pass"
 
 
+# Was a bug (fixed; this guards it): WorkerSupervisor.submit sends to every rank's inbox PUSH with
+# a blocking send while holding _submit_lock. Once a rank has died, libzmq drops its inbox
+# connection and a PUSH with no peer blocks; if a submit lands after that but before the I/O
+# thread has failed the group (it is busy for a moment, here: waiting on another replica's arena
+# lock), the submit blocks forever holding _submit_lock, then the I/O thread blocks in _fail_group
+# on that lock: no replica is served any more and Engine.close() (which takes _submit_lock) never
+# returns. bench.soak hits it unprovoked: a server whose I/O thread hangs in inbox.send
+# (supervisor.py submit), its supervisor thread in _fail_group, its main thread in
+# RequestDispatcher.close, and which SIGTERM cannot stop
 @pytest.mark.timeout(180)
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (deadlock): WorkerSupervisor.submit sends to every rank's inbox PUSH with a blocking send while "
-    "holding _submit_lock. Once a rank has died, libzmq drops its inbox connection and a PUSH with no peer "
-    "blocks; if a submit lands after that but before the I/O thread has failed the group (it is busy for "
-    "a moment, here: waiting on another replica's arena lock), the submit blocks forever holding "
-    "_submit_lock, then the I/O thread blocks in _fail_group on that lock: no replica is served any "
-    "more and Engine.close() (which takes _submit_lock) never returns. bench.soak hits it unprovoked: a "
-    "server whose I/O thread hangs in inbox.send (supervisor.py submit), its supervisor thread in "
-    "_fail_group, its main thread in RequestDispatcher.close, and which SIGTERM cannot stop"))
 def test_a_submit_racing_a_rank_death_neither_blocks_nor_wedges_the_engine():
     engine = start_engine("tests.plugins:KillProbe", parallel=tp_parallel(2), replicas=2, heartbeat_timeout_s=60.0)
     sup = supervisor_of(engine)
@@ -455,17 +453,14 @@ def test_a_submit_racing_a_rank_death_neither_blocks_nor_wedges_the_engine():
         assert {"submit returned": submit_returned, "victim failed": victim_failed, "witness served": served} \
             == {"submit returned": True, "victim failed": True, "witness served": True}
     finally:
-        # rescue: a peer on the dead rank's inbox lets the blocked send (and so the lock) go
+        # rescue, should the send block again: a peer on the dead rank's inbox lets it (and the lock) go
         ctx = zmq.Context()
         rescue = ctx.socket(zmq.PULL)
         rescue.connect(f"ipc://{sup.run_dir}/in-{victim}-1")
         wait_until(lambda: not engine.replicas[victim].healthy, 10)
         rescue.close(0)
         ctx.term()
-        processes = [r.process for g in sup._groups for r in g.ranks]
-        close_engine(engine)
-        for process in processes:  # what close() leaves to the gc (see the xfail above); this test's
-            process.close()        # failure keeps the engine referenced, so no gc pass would
+        close_engine(engine)  # closes the ranks' Process objects too (no gc pass needed)
 
 
 def _step_within(engine: Any, timeout: float) -> bool:

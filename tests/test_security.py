@@ -13,8 +13,8 @@
                                               abstract or relative name is refused
     tcp on loopback by default                tcp://:PORT listens on 127.0.0.1 only; 0.0.0.0 without
                                               every listening socket of a local      CURVE is refused
-                                              engine's ranks is loopback (strict
-                                              xfail: torch's TCPStore binds ::)
+                                              engine's ranks is loopback (the
+                                              rendezvous store and gloo's pairs)
     non-loopback without CURVE refused        *, ::, an interface name, a host name, 0.0.0.0 by launch
                                               a public address; by Server() too
     CURVE with a wrong key refused            a client unknown to the server's       a plain client is
@@ -304,13 +304,6 @@ def _loopback(ip: str) -> bool:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: rank 0 of every local replica listens on all interfaces ('::', dual-stack) at "
-    "base_port + replica for the replica's whole life: workers/main.py _start calls "
-    "init_process_group(init_method='tcp://127.0.0.1:PORT'), and torch's TCPStore server binds the "
-    "wildcard address whatever host the URL names; the store is unauthenticated. A FileStore in the "
-    "0700 run directory (or a TCPStore bound to 127.0.0.1), and GLOO_SOCKET_IFNAME=lo for gloo's own "
-    "pairs, would keep the ranks on loopback"))
 def test_every_listening_socket_of_a_local_server_and_its_ranks_is_on_loopback(tmp_path):
     server = Launched("--plugin", "tests.plugins:KillProbe", "--devices", "0,1", "--device", "cpu",
                       "--base-port", str(free_port()), "--log-level", "warning", log_dir=tmp_path)

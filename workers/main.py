@@ -4,14 +4,22 @@
     PUSH ipc://RUN_DIR/in-R-r ------- requests ------->  PULL  main thread: serve loop
     ROUTER ipc://RUN_DIR/ctl  <------ DEALER "c-R-r" ---  main thread: ready, done; <- free, shutdown
                               <------ DEALER "h-R-r" ---  heartbeat thread: "hb" every interval
-    parent's spawn pipe       ------- EOF on death ---->  death-watch thread: os._exit
+    engine's spawn thread     ------- exits/dies ------>  kernel: SIGKILL (PR_SET_PDEATHSIG)
 
 Start (two-phase): pin the device (cuda: ``torch.cuda.set_device(entry)``, which
 composes with CUDA_VISIBLE_DEVICES; cpu: a fair share of threads), join the
-replica's process group (NCCL on cuda, gloo on cpu; rendezvous on
-``127.0.0.1:base_port + replica``), build the named groups of ``runtime.parallel``
-from the ParallelConfig, build the plugin, then send "ready". Any failure on the
-way is sent as "startup_error" (type, message, traceback text) and the process exits.
+replica's process group (NCCL on cuda, gloo on cpu), build the named groups of
+``runtime.parallel`` from the ParallelConfig, build the plugin, then send "ready".
+Any failure on the way is sent as "startup_error" (type, message, traceback text)
+and the process exits.
+
+Rendezvous, on loopback only: rank 0 binds ``127.0.0.1:base_port + replica`` itself
+and hands the listening socket to torch's TCPStore (``master_listen_fd``; given only
+a port, TCPStore binds the wildcard address ``::``, whatever host it is told), the
+other ranks connect to it. ``GLOO_SOCKET_IFNAME=lo`` keeps gloo's own listeners (its
+pairs; on cuda the ``cpu_group``) on loopback too, whatever the host name resolves
+to. NCCL keeps its defaults (on one host its data goes through shm/p2p; its
+bootstrap sockets follow ``NCCL_SOCKET_IFNAME``).
 
 Serve: every rank of the replica receives every request of its replica in the
 same order (the supervisor sends each request to every rank's inbox under one
@@ -29,14 +37,27 @@ broadcasts it on ``P.cpu_group()``).
 
 The heartbeat thread has its own socket (ZMQ sockets are not thread-safe) and
 keeps beating while the main thread is inside a forward pass (torch releases the
-GIL). The death watch makes a rank exit within moments of its engine's SIGKILL.
+GIL).
+
+Death of the engine: the first thing a rank does is ``prctl(PR_SET_PDEATHSIG,
+SIGKILL)``, so the kernel kills it the moment its parent goes, even while its main
+thread holds the GIL in a long C call (a Python thread watching the parent could
+not run then). The kernel's "parent" is the thread that forked the rank: the
+supervisor starts ranks from a thread that outlives them (``supervisor.processes.
+SpawnThread``, which says why). A parent that died before the ``prctl`` is caught by
+comparing ``getppid()`` with the parent's pid. Where ``prctl`` is unavailable, a
+thread waiting on multiprocessing's parent sentinel (EOF when the parent is gone)
+is the fallback.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
+import socket
 import sys
 import threading
 import traceback
@@ -52,20 +73,36 @@ from runtime.shm import ShmArena, ShmMapper
 INLINE_LIMIT = 64 * 1024
 
 
-def _watch_parent() -> None:
-    """Exit when the engine process dies, however it died.
+#: linux/prctl.h
+PR_SET_PDEATHSIG = 1
+#: the exit code of a rank whose engine is gone
+ORPHAN_EXIT = 70
 
-    A spawned child holds the read end of a pipe whose write end only its parent
-    keeps open (multiprocessing's parent sentinel), so EOF means the parent is gone.
+
+def _die_with_parent() -> None:
+    """Exit when the engine process dies, however it died and whatever this rank does.
+
+    The kernel SIGKILLs this process when its parent (thread) goes: no thread of ours
+    has to run, so a main thread holding the GIL does not delay it.
     """
     parent = multiprocessing.parent_process()
     if parent is None:
         return
-    sentinel = parent.sentinel
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        armed = libc.prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0),
+                           ctypes.c_ulong(0), ctypes.c_ulong(0)) == 0
+    except (OSError, AttributeError):  # no prctl: not Linux
+        armed = False
+    if os.getppid() != parent.pid:  # the parent died before the prctl took effect
+        os._exit(ORPHAN_EXIT)
+    if armed:
+        return
+    sentinel = parent.sentinel  # EOF once the parent is gone: only it holds the write end
 
     def watch() -> None:
         multiprocessing.connection.wait([sentinel])
-        os._exit(70)
+        os._exit(ORPHAN_EXIT)
 
     threading.Thread(target=watch, name="phyrt-death-watch", daemon=True).start()
 
@@ -106,7 +143,7 @@ class _Heartbeat:
 
 def main(bootstrap: bytes) -> None:
     """Entry point of a spawned rank; ``bootstrap`` is a msgpack map (see supervisor)."""
-    _watch_parent()
+    _die_with_parent()
     boot = msgpack.unpackb(bootstrap, raw=False)
     replica, rank = boot["replica"], boot["rank"]
     ctx = zmq.Context(1)
@@ -163,10 +200,12 @@ def _start(boot: dict[str, Any]):
         torch.set_num_threads(boot["threads"])
         backend = "gloo"
     if world > 1:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's listeners on loopback (read when a group is made)
         port = boot["port"]
+        timeout = _timedelta(boot["startup_timeout_s"])
         try:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                    world_size=world, timeout=_timedelta(boot["startup_timeout_s"]))
+            store = _rendezvous_store(port, rank, world, timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         except Exception as exc:
             raise RuntimeError(f"rendezvous of replica {boot['replica']} on 127.0.0.1:{port} failed "
                                f"(is the port taken? set WorkerSupervisorConfig.base_port): {exc}") from exc
@@ -181,6 +220,24 @@ def _start(boot: dict[str, Any]):
     for segment in boot["premap"]:  # map the supervisor's first segment now, so its name can go
         mapper.view(segment, 0, 0)
     return core, arena, mapper
+
+
+def _rendezvous_store(port: int, rank: int, world: int, timeout):
+    """The replica's TCPStore, listening on 127.0.0.1 only (rank 0 serves it)."""
+    import torch.distributed as dist
+
+    if rank != 0:
+        return dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does: TIME_WAIT is no obstacle
+        listener.bind(("127.0.0.1", port))
+        listener.listen(128)
+    except BaseException:
+        listener.close()
+        raise
+    # the store owns the socket from here (it closes the descriptor when it goes)
+    return dist.TCPStore("127.0.0.1", port, world, True, timeout=timeout, master_listen_fd=listener.detach())
 
 
 def _timedelta(seconds: float):
