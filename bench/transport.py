@@ -10,7 +10,7 @@
     floor           os.write / os.read  ===================> pipe echo (raw bytes)
     floor           DEALER + msgpack    ===================> ROUTER echo (msgpack)
     baseline        DEALER + pickle     ===================> ROUTER echo (pickle)
-    memcpy          Tensor.copy_ into a preallocated tensor, in this process
+    memcpy          numpy.copyto into a preallocated array (one thread), in this process
 
 Every path runs in this one run, side by side: the small-request paths in
 interleaved rounds, the tensor paths call by call, so that load from anything
@@ -20,9 +20,9 @@ absolute times.
 pickle appears only in the "pickle over ZMQ" baseline, between this benchmark's
 own two processes; phyrt never pickles on a socket.
 
-Spawned children (ranks and echo servers) re-import this module, so its top
-level only defines things; importing ``runtime.plugins`` brings torch with it
-(about 2 s per child, outside every timed region). Cleanup: engines are closed
+The echo servers live in ``bench.echo`` (torch-free: they start in a fraction of
+a second); ranks re-import this module for its plugin, so its top level only
+defines things. ``python -m bench`` measures the same paths with more peers. Cleanup: engines are closed
 and servers joined in one ExitStack; the engines' run directories and the echo
 sockets live in one private temporary directory; at the end the benchmark
 checks that no child process (multiprocessing's resource tracker, which exits
@@ -38,24 +38,23 @@ import math
 import multiprocessing
 import multiprocessing.connection
 import os
-import pickle  # the pickle-over-ZMQ baseline only
 import platform
 import re
-import select
 import shutil
 import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from typing import Any, Callable
 
 import msgpack
+import numpy as np
 import psutil
 import torch
 import zmq
 
+from bench.echo import PipeEcho, ZmqEcho
 from runtime import wire
 from runtime.config import (DenseParallelConfig, DeploymentConfig, DeviceConfig, EngineArgs, EngineConfig,
                             ParallelConfig, WorkerSupervisorConfig)
@@ -96,134 +95,7 @@ class EchoEntry(Entry):
         return _EchoRunner()
 
 
-# --------------------------------------------------------------------------- echo servers (child processes)
-
-
-def _exit_with_parent() -> None:
-    """Exit when the benchmark dies, however it died (EOF on the spawn parent's sentinel)."""
-    parent = multiprocessing.parent_process()
-    if parent is not None:
-        def watch() -> None:
-            multiprocessing.connection.wait([parent.sentinel])
-            os._exit(70)
-
-        threading.Thread(target=watch, name="bench-death-watch", daemon=True).start()
-
-
-def _pipe_echo_server(inbound: multiprocessing.connection.Connection,
-                      outbound: multiprocessing.connection.Connection) -> None:
-    """Write back whatever arrives (messages are below PIPE_BUF, so each is one read); EOF ends it."""
-    _exit_with_parent()
-    rfd, wfd = inbound.fileno(), outbound.fileno()
-    while True:
-        data = os.read(rfd, 65536)
-        if not data:
-            return
-        os.write(wfd, data)
-
-
-def _zmq_echo_server(address: str, codec: str) -> None:
-    """A ROUTER that decodes and re-encodes each frame with ``codec``; an empty frame ends it."""
-    _exit_with_parent()
-    if codec == "pickle":
-        loads, dumps, zero_copy = pickle.loads, _pickle_dumps, True
-    else:
-        loads, dumps, zero_copy = msgpack.unpackb, msgpack.packb, False
-    ctx = zmq.Context(1)
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(address)
-    try:
-        while True:
-            identity, frame = sock.recv_multipart(copy=not zero_copy)
-            data = frame.buffer if zero_copy else frame
-            if not len(data):
-                return
-            sock.send_multipart([identity, dumps(loads(data))], copy=not zero_copy)
-    finally:
-        sock.close(0)
-        ctx.term()
-
-
-def _pickle_dumps(obj: Any) -> bytes:
-    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-
-
 # --------------------------------------------------------------------------- subjects: one call = one round trip
-
-
-class PipeEcho:
-    label = "OS pipe echo, raw bytes, 2 processes (floor)"
-
-    def __init__(self, mp: Any) -> None:
-        server_in, self._to_server = mp.Pipe(duplex=False)
-        self._from_server, server_out = mp.Pipe(duplex=False)
-        self.process = mp.Process(target=_pipe_echo_server, args=(server_in, server_out),
-                                  name="bench-pipe-echo", daemon=True)
-        self.process.start()
-        server_in.close()  # only the child holds these now, so its death reads as EOF here
-        server_out.close()
-        self._w, self._r = self._to_server.fileno(), self._from_server.fileno()
-
-    def ready(self, payload: bytes) -> None:
-        os.write(self._w, payload)
-        if not select.select([self._r], [], [], REPLY_TIMEOUT_S)[0]:
-            raise TimeoutError(f"pipe echo server (pid {self.process.pid}) did not answer in {REPLY_TIMEOUT_S} s")
-        self._check(payload, os.read(self._r, 65536))
-
-    def call(self, payload: bytes) -> bytes:
-        # no select here: it would add to the floor; a dead server reads as EOF and fails _check
-        os.write(self._w, payload)
-        return self._check(payload, os.read(self._r, 65536))
-
-    def _check(self, payload: bytes, reply: bytes) -> bytes:
-        if len(reply) != len(payload):
-            raise RuntimeError(f"pipe echo returned {len(reply)} bytes for {len(payload)} "
-                               f"(server exit code {self.process.exitcode})")
-        return reply
-
-    def close(self) -> None:
-        self._to_server.close()
-        _join(self.process)
-        self._from_server.close()
-
-
-class ZmqEcho:
-    def __init__(self, mp: Any, zctx: zmq.Context, workdir: str, codec: str) -> None:
-        self.label = ("bare ZMQ DEALER/ROUTER ipc:// + msgpack, 2 processes (floor)" if codec == "msgpack"
-                      else "pickle over ZMQ DEALER/ROUTER ipc:// (baseline)")
-        self._path = os.path.join(workdir, f"echo-{codec}")
-        address = f"ipc://{self._path}"
-        self.process = mp.Process(target=_zmq_echo_server, args=(address, codec),
-                                  name=f"bench-zmq-{codec}-echo", daemon=True)
-        self.process.start()
-        self._zero_copy = codec == "pickle"  # large frames: no copy into ZMQ messages
-        self._dumps, self._loads = (_pickle_dumps, pickle.loads) if codec == "pickle" else (msgpack.packb,
-                                                                                           msgpack.unpackb)
-        self._sock = zctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RCVTIMEO, int(REPLY_TIMEOUT_S * 1000))
-        self._sock.connect(address)
-
-    def ready(self, request: Any) -> None:
-        self.call(request)
-
-    def call(self, request: Any) -> Any:
-        self._sock.send(self._dumps(request), copy=not self._zero_copy)
-        try:
-            frame = self._sock.recv(copy=not self._zero_copy)
-        except zmq.Again:
-            raise TimeoutError(f"{self.label}: no reply within {REPLY_TIMEOUT_S} s "
-                               f"(server exit code {self.process.exitcode})") from None
-        return self._loads(frame.buffer if self._zero_copy else frame)
-
-    def close(self) -> None:
-        with contextlib.suppress(zmq.ZMQError):
-            self._sock.send(b"")
-        _join(self.process)
-        self._sock.close(0)
-        with contextlib.suppress(FileNotFoundError):  # libzmq leaves an ipc:// socket file behind
-            os.unlink(self._path)
 
 
 class EngineEcho:
@@ -242,7 +114,7 @@ class EngineEcho:
 
 
 class Memcpy:
-    label = "memcpy (Tensor.copy_ into a preallocated tensor)"
+    label = "memcpy (numpy.copyto into a preallocated array, one thread)"
 
     def __init__(self, like: torch.Tensor) -> None:
         self._dst = torch.empty_like(like)
@@ -251,14 +123,7 @@ class Memcpy:
         self.call(request)
 
     def call(self, request: dict) -> None:
-        self._dst.copy_(request["x"])
-
-
-def _join(process: Any) -> None:
-    process.join(10)
-    if process.is_alive():
-        process.kill()
-        process.join(5)
+        np.copyto(self._dst.numpy(), request["x"].numpy())  # one memcpy, not OpenMP's split
 
 
 # --------------------------------------------------------------------------- measuring
@@ -402,7 +267,7 @@ def header(args: argparse.Namespace, iters: int, warmup: int, tensor_iters: dict
         "`msgpack`-decodes and re-encodes on both sides.",
         f"- Tensors: request `{{\"x\": torch.randn(n)}}` (float32, {', '.join(f'{m} MiB' for m in TENSOR_MIB)}), "
         "echoed; results checked equal once, then medians of round trips interleaved call by call "
-        f"(engines and memcpy: {_counts(tensor_iters)}; pickle: {_counts(pickle_iters)}). memcpy: one `Tensor.copy_` "
+        f"(engines and memcpy: {_counts(tensor_iters)}; pickle: {_counts(pickle_iters)}). memcpy: one single-threaded `numpy.copyto` "
         "into a preallocated tensor of the same size, in this process. Baseline: pickle over ZMQ, "
         "`pickle.dumps`/`pickle.loads` (protocol 5) on both sides of a DEALER/ROUTER `ipc://` pair "
         "(zero-copy frames).",

@@ -1,0 +1,161 @@
+"""Section "serving": phyrt's front door (``python -m runtime.launch`` + ``runtime.client.Client``)
+next to the servers robot-policy stacks are built from.
+
+    Client ipc:// (shm)     ===> python -m runtime.launch --address ipc://... (echo plugin, inline)
+    Client tcp://127.0.0.1  ===> python -m runtime.launch --address tcp://...
+    DEALER + msgpack        ===> ROUTER echo                                      floor
+    REQ + send_pyobj        ===> REP echo (pickle)                                baseline
+    websockets + msgpack-numpy ===> asyncio websockets echo                       peer
+
+The servers, clients, floor, pickle baseline and the measuring loops are
+``bench.serving``'s (called, not copied); this module adds the websocket peer and
+turns the samples into tables, targets and plot data.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import math
+import os
+import shutil
+
+from bench.common import RunContext, Section, Table, Target, fmt_ms, fmt_us, free_port, p50, p99, ratio
+
+
+def run(ctx: RunContext) -> Section:
+    import numpy as np
+    import zmq
+
+    from bench import serving as sv
+    from bench.peers import PeerUnavailable, WebsocketPeer
+
+    section = Section("serving", "Serving front door: phyrt server and client against policy-server peers")
+    iters = 1000 if ctx.quick else 10000
+    warmup = max(50, iters // 10)
+    n_image = 20 if ctx.quick else 100
+    load_s = 1.0 if ctx.quick else 5.0
+    mp = ctx.mp()
+    logdir = os.path.join(ctx.workdir, "serving-logs")
+    os.makedirs(logdir, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, logdir, True)  # runs last: after every server closed its log
+        zctx = zmq.Context(1)
+        stack.callback(zctx.term)
+        ctx.progress("serving: starting the phyrt servers (ipc://, tcp://), the echo servers and the websocket peer")
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both servers start at once
+            starting = [pool.submit(sv.LaunchedServer, f"ipc://{ctx.workdir}/phyrt.sock", logdir, "phyrt-ipc"),
+                        pool.submit(sv.LaunchedServer, f"tcp://127.0.0.1:{free_port()}", logdir, "phyrt-tcp")]
+            concurrent.futures.wait(starting)
+        for future in starting:  # every server that started is stopped, whatever else failed
+            if future.exception() is None:
+                stack.callback(future.result().close)
+        ipc, tcp = (future.result() for future in starting)  # raises a start failure
+        ctx.pids.update(ipc.pids() | tcp.pids())
+        floor_address, pickle_address = f"ipc://{ctx.workdir}/sv-msgpack", f"ipc://{ctx.workdir}/sv-pickle"
+        procs = [mp.Process(target=sv._msgpack_echo_server, args=(floor_address,), name="bench-msgpack-echo",
+                            daemon=True),
+                 mp.Process(target=sv._pickle_echo_server, args=(pickle_address,), name="bench-pickle-echo",
+                            daemon=True)]
+        for proc in procs:
+            proc.start()
+            stack.callback(sv._join, proc)
+            ctx.pids.add(proc.pid)
+        for address in (floor_address, pickle_address):
+            stack.callback(sv._unlink, address[len("ipc://"):])
+        floor = sv.MsgpackEchoPath("bare ZMQ DEALER/ROUTER ipc:// + msgpack (floor)", zctx, floor_address)
+        stack.callback(floor.close)
+        stack.callback(floor.sock.send, b"")  # runs before close: the stop message
+        pickled = sv.PickleReqPath("pickle over ZMQ REQ/REP ipc:// (baseline)", zctx, pickle_address)
+        stack.callback(pickled.close)
+        stack.callback(pickled.call, None)
+        shm = sv.PhyrtPath("phyrt Client ipc:// (shared memory)", ipc.address)
+        stack.callback(shm.close)
+        phyrt_tcp = sv.PhyrtPath("phyrt Client tcp://127.0.0.1 (frames)", tcp.address)
+        stack.callback(phyrt_tcp.close)
+        paths = [floor, shm, phyrt_tcp, pickled]
+        try:
+            ws = WebsocketPeer(mp)
+            stack.callback(ws.close)
+            paths.append(ws)
+        except PeerUnavailable as exc:
+            ws = None
+            unavailable = f"not available: {exc}"
+            section.notes.append(f"{WebsocketPeer.label}: {unavailable}")
+        for path in paths:
+            path.call(sv.SMALL_REQUEST)
+        ctx.progress(f"serving: small request, {warmup} warm-up + {iters} timed round trips per path")
+        small = sv.measure_small(paths, iters, warmup, lambda m: ctx.progress(f"serving: {m}"))
+        image_paths = [(sv.Memcpy(np.empty(sv.IMAGE_SHAPE, np.uint8)), n_image), (shm, n_image),
+                       (phyrt_tcp, n_image), (pickled, n_image // 2)] + ([(ws, n_image // 2)] if ws else [])
+        ctx.progress(f"serving: {math.prod(sv.IMAGE_SHAPE) / 2**20:.1f} MiB image, {n_image} round trips per "
+                     f"phyrt path, {n_image // 2} for pickle and websocket")
+        image = sv.measure_image(image_paths, lambda m: ctx.progress(f"serving: {m}"))
+        load_rows = []
+        for kind, label, address in (("floor", floor.label, floor_address), ("phyrt", shm.label, ipc.address)):
+            for clients in sv.LOAD_CLIENTS[-1:] if ctx.quick else sv.LOAD_CLIENTS:
+                ctx.progress(f"serving: throughput, {label}, {clients} client process(es), {load_s:g} s")
+                rate, lat = sv.measure_load(mp, kind, address, clients, load_s, ctx.pids)
+                load_rows.append((label, f"{clients} process{'es' if clients > 1 else ''}", rate, list(lat)))
+        ctx.progress(f"serving: throughput, phyrt, 1 client, {sv.PIPELINE_DEPTH} in flight, {load_s:g} s")
+        rate, lat = sv.measure_pipelined(shm.client, load_s)
+        load_rows.append((shm.label, f"1, {sv.PIPELINE_DEPTH} in flight (`submit`)", rate, list(lat)))
+        ctx.progress("serving: stopping servers and clients")
+
+    image_mib = math.prod(sv.IMAGE_SHAPE) / 2**20
+    if ws is None:  # the peer's rows say why it has no figures
+        small_rows_extra = [[WebsocketPeer.label, unavailable, "", ""]]
+    else:
+        small_rows_extra = []
+    section.data = {
+        "small_p50_ns": {k: p50(v) for k, v in small.items()},
+        "small_p99_ns": {k: p99(v) for k, v in small.items()},
+        "image_p50_ns": {k: p50(v) for k, v in image.items()},
+        "throughput": [{"path": label, "clients": clients, "requests_per_s": rate, "p50_ns": p50(lat),
+                        "p99_ns": p99(lat)} for label, clients, rate, lat in load_rows],
+    }
+    base = p50(small[floor.label])
+    section.tables.append(Table(
+        "Small request (~100 B), one client, sequential", ["path", "p50 µs", "p99 µs", "p50 / floor"],
+        [[label, fmt_us(p50(s)), fmt_us(p99(s)), ratio(p50(s), base)] for label, s in small.items()]
+        + small_rows_extra,
+        [f"`bench.serving`'s method: `time.perf_counter_ns` around one whole `call` in the client; {warmup} "
+         f"warm-up, then {iters} timed round trips per path in {sv.ROUNDS} interleaved rounds. Servers: "
+         f"`python -m runtime.launch --plugin {sv.PLUGIN} --device cpu` on `ipc://` and on `tcp://127.0.0.1`, "
+         "called with `runtime.client.Client`. Floor: ZMQ DEALER/ROUTER + msgpack echo. Baseline: ZMQ REQ/REP "
+         "with `send_pyobj`/`recv_pyobj` (pickle). Peer: an asyncio `websockets` server that decodes and "
+         "re-encodes msgpack-numpy, called with the `websockets.sync` client (`bench.peers`)."]))
+    pickle_p50 = p50(image[pickled.label])
+    rows = []
+    for label, s in image.items():
+        rows.append([label, fmt_ms(p50(s)), fmt_ms(p99(s)), f"{2 * math.prod(sv.IMAGE_SHAPE) / p50(s):.2f}",
+                     ratio(pickle_p50, p50(s)), str(len(s))])
+    section.tables.append(Table(
+        f"{image_mib:.1f} MiB image (uint8 {list(sv.IMAGE_SHAPE)}), round trip",
+        ["path", "p50 ms", "p99 ms", "GB/s (2 × size / p50)", "pickle p50 / this p50", "n"], rows,
+        ["`{\"image\": uint8 array}` echoed; checked equal after 3 warm-up calls per path; then round trips "
+         "interleaved call by call. phyrt over `ipc://` places the image in shared memory both ways; `tcp://` "
+         "sends it as a raw frame; pickle sends it with `send_pyobj`; the websocket peer as msgpack `bin` "
+         "(`tobytes`). memcpy: `np.copyto` into a preallocated array, in this process."]))
+    section.tables.append(Table(
+        "Throughput, small requests", ["path", "clients", "requests/s", "p50 µs", "p99 µs"],
+        [[label, clients, f"{rate:,.0f}", fmt_us(p50(lat)), fmt_us(p99(lat))] for label, clients, rate, lat
+         in load_rows],
+        [("--quick: only the largest client count. " if ctx.quick else "") +
+         f"Closed loops of the small request for {load_s:g} s in N spawned client processes (each its own client "
+         "and socket, started together after 50 warm-up calls each): requests/s = all completed / the longest "
+         f"loop; latency percentiles over all their calls. Pipelined: one client here keeping "
+         f"{sv.PIPELINE_DEPTH} `submit` futures in flight."]))
+    phyrt, floor_p50 = p50(small[shm.label]), base
+    small_ratio = phyrt / floor_p50
+    speedup = pickle_p50 / p50(image[shm.label])
+    section.targets += [
+        Target(f"serving small-request p50 ≤ {sv.TARGET_SMALL_RATIO:g}× bare ZMQ echo (phyrt Client ipc://)",
+               f"{small_ratio:.2f}× ({fmt_us(phyrt)} µs / {fmt_us(floor_p50)} µs)",
+               small_ratio <= sv.TARGET_SMALL_RATIO),
+        Target(f"{image_mib:.0f} MiB same-host image ≥ {sv.TARGET_IMAGE_SPEEDUP:g}× faster than pickle over ZMQ",
+               f"{speedup:.1f}× ({fmt_ms(pickle_p50)} ms / {fmt_ms(p50(image[shm.label]))} ms)",
+               speedup >= sv.TARGET_IMAGE_SPEEDUP),
+    ]
+    return section
+

@@ -1,0 +1,111 @@
+"""``python -m bench``: its command line and its report writer, from made-up measurements.
+
+Only the cheap parts: no section is run and nothing is timed (the benchmarks themselves
+are not tests). The plots are drawn only where matplotlib is installed (the bench extra).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench.common import Section, Table, Target
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_help_lists_the_options_and_sections():
+    out = subprocess.run([sys.executable, "-m", "bench", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    for word in ("--quick", "--only", "--out", "bench/results", "latency", "lifecycle", "gpu"):
+        assert word in out.stdout
+
+
+def test_only_picks_sections_in_run_order_and_rejects_unknown_names(capsys):
+    from bench.__main__ import SECTIONS, parse_args
+
+    assert parse_args([]).sections == list(SECTIONS)
+    assert parse_args(["--only", "llm, latency"]).sections == ["latency", "llm"]
+    with pytest.raises(SystemExit):
+        parse_args(["--only", "latency,warp-drive"])
+    assert "warp-drive" in capsys.readouterr().err
+
+
+def fake_run() -> tuple[dict, list[Section]]:
+    machine = {"date": "2030-01-01T00:00:00+00:00", "host": "box", "platform": "Linux", "cpu_model": "Test CPU",
+               "logical_cores": 2, "physical_cores": 2, "memory_gib": 24.0, "memory_available_gib": 20.0,
+               "load_start": [0.5, 0.4, 0.3], "load_end": [1.5, 0.9, 0.4], "python": "3.11", "torch": "2.13",
+               "torch_threads": 2, "pyzmq": "27", "libzmq": "4.3", "msgpack": "1.1", "numpy": "2", "ray": "2.60",
+               "websockets": "17", "transformers": "5", "matplotlib": "3.11", "cuda": "none"}
+    latency = Section("latency", "Round-trip latency against payload size, per transport", seconds=12.5,
+                      notes=["Ray actor (peer): not available: ray does not import (ModuleNotFoundError)"])
+    latency.tables.append(Table("Small request (~100 B) round trip", ["path", "p50 µs", "p99 µs", "p50 / floor"],
+                                [["bare ZMQ (floor)", "50.0", "90.0", "1.00×"],
+                                 ["phyrt local engine, 1 rank", "70.0", "140", "1.40×"]],
+                                ["500 warm-up, 5000 timed round trips in 5 interleaved rounds."]))
+    latency.targets += [Target("local small p50 ≤ 1.5× bare ZMQ", "1.40× (70.0 µs / 50.0 µs)", True),
+                        Target("64 MiB ≥ 10× faster than pickle", "8.0×", False)]
+    latency.data = {"plot_sizes": {"small": 107, "1": 1 << 20, "64": 64 << 20},
+                    "labels": {"zmq": "bare ZMQ (floor)", "local": "phyrt local engine, 1 rank"},
+                    "p50_ns": {"small": {"zmq": 50e3, "local": 70e3}, "1": {"zmq": 1e6, "local": 0.8e6},
+                               "64": {"zmq": 60e6, "local": 20e6}}}
+    scaling = Section("scaling", "Throughput against replicas", seconds=8.0,
+                      targets=[Target("2 replicas ≥ 1.8× 1 replica", "1.90×", True)],
+                      data={"median": {"bare": 60.0, "1": 55.0, "2": 104.5}, "work_n": 48,
+                            "rates": {"bare": [60.0], "1": [55.0], "2": [104.5]}})
+    llm = Section("llm", "LLM decode: tokens per second against concurrency", seconds=20.0,
+                  data={"levels": [1, 16], "median_tokens_per_s": [
+                      {"path": "transformers, one call per request", "concurrency": 1, "tokens_per_s": 60.0},
+                      {"path": "qwen3 tp=1 (inline engine)", "concurrency": 1, "tokens_per_s": 40.0},
+                      {"path": "qwen3 tp=1 (inline engine)", "concurrency": 16, "tokens_per_s": 240.0}]})
+    broken = Section("lifecycle", "lifecycle (failed)", error="Traceback ...\nRuntimeError: boom\n")
+    gpu = Section("gpu", "GPU rows", notes=["Skipped: `torch.cuda.is_available()` is False on this machine"])
+    run = {"command": "python -m bench --quick", "wall_s": 95.0, "machine": machine,
+           "cleanup": "No child process left behind."}
+    return run, [latency, scaling, llm, broken, gpu]
+
+
+def test_report_has_machine_targets_sections_and_methods(tmp_path):
+    from bench import report
+
+    run, sections = fake_run()
+    path = report.write(str(tmp_path), run, sections)
+    text = open(path).read()
+    assert path == str(tmp_path / "latest.md")
+    assert text.startswith("# phyrt benchmarks")
+    for heading in ("## Machine", "## Targets", "## Round-trip latency against payload size, per transport",
+                    "## Throughput against replicas", "## GPU rows", "## Cleanup",
+                    "#### Small request (~100 B) round trip"):
+        assert f"\n{heading}\n" in text, heading
+    assert "Test CPU, 2 logical cores" in text
+    assert "0.50, 0.40, 0.30 at start; 1.50, 0.90, 0.40 at the end" in text
+    assert "torch 2.13" in text and "pyzmq 27" in text and "2030-01-01" in text
+    assert "| latency | local small p50 ≤ 1.5× bare ZMQ | 1.40× (70.0 µs / 50.0 µs) | met |" in text
+    assert "| latency | 64 MiB ≥ 10× faster than pickle | 8.0× | **missed** |" in text
+    assert "| lifecycle | (every target of this section) | the section failed | not measured |" in text
+    assert "_Method._ 500 warm-up, 5000 timed round trips" in text
+    assert "> Ray actor (peer): not available: ray does not import" in text
+    assert "RuntimeError: boom" in text
+    assert "| phyrt local engine, 1 rank | 70.0 | 140 | 1.40× |" in text
+    assert "|---|---:|---:|---:|" in text  # numbers right-aligned, names left
+    data = json.loads((tmp_path / "latest.json").read_text())
+    assert [s["name"] for s in data["sections"]] == ["latency", "scaling", "llm", "lifecycle", "gpu"]
+    assert data["machine"]["cpu_model"] == "Test CPU"
+
+
+def test_plots_are_drawn_from_section_data(tmp_path):
+    pytest.importorskip("matplotlib")
+    from bench import plots
+
+    _, sections = fake_run()
+    for section in sections:
+        plots.draw(section, str(tmp_path))
+    drawn = {name for s in sections for name, _ in s.plots}
+    assert drawn == {"latency_vs_size.png", "throughput_vs_replicas.png", "llm_tokens_vs_concurrency.png"}
+    for name in drawn:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
