@@ -70,8 +70,9 @@ def load(directory: Path, dtype: torch.dtype = torch.float32, **kw) -> Qwen3ForC
 class Pages:
     """What the runner does: shuffled blocks per sequence, AttentionMetadata for each step."""
 
-    def __init__(self, model: Qwen3ForCausalLM, num_blocks: int = 64):
-        shape = model.kv_cache_shape(num_blocks, BLOCK)
+    def __init__(self, model: Qwen3ForCausalLM, num_blocks: int = 64, spare: int = 0):
+        """``num_blocks`` blocks to hand out, and ``spare`` more in the cache that are never handed out."""
+        shape = model.kv_cache_shape(num_blocks + spare, BLOCK)
         for layer in model.attention_layers():
             layer.k_cache = torch.zeros(shape, dtype=model.params_dtype)
             layer.v_cache = torch.zeros(shape, dtype=model.params_dtype)

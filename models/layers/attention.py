@@ -12,11 +12,31 @@ One forward pass carries a flat batch of T new tokens from B sequences::
 assigned yet), then each new token of sequence b attends causally to the first
 ``context_lens[b] - n_b + i + 1`` slots of b (cached prefix + new tokens up to itself).
 
-Paths: on CUDA with ``flash_attn`` importable and a block size that is a multiple of
-256 (flash-attn's paged-KV rule), ``flash_attn_varlen_func`` (prefill) and
-``flash_attn_with_kvcache`` (decode); otherwise torch SDPA: decode batched over
-sequences (keys gathered from their blocks, padded, masked), prefill one sequence at
-a time (new k/v used directly when nothing is cached before them).
+Paths (``flash_attention_status`` says which one a device, dtype and block size get,
+and why):
+
+- flash-attn, when ``flash_attn`` imports, q is on CUDA in fp16/bf16 and the block size
+  is a multiple of 256 (upstream flash-attn 2's paged-KV rule: "Paged KV cache block size
+  must be divisible by 256"): ``flash_attn_varlen_func`` (prefill; over the new k/v, or
+  over the paged cache through ``block_table`` when a sequence has a cached prefix) and
+  ``flash_attn_with_kvcache`` (decode, over the paged cache). The layout it needs is this
+  module's own: ``k_cache``/``v_cache`` ``[num_blocks, block_size, kv_heads, head_dim]``
+  with a contiguous last dim (the runner's per-layer ``cache[0, i]``/``cache[1, i]`` slices
+  are), ``block_table`` int32 ``[B, max_blocks]`` (contiguous; columns past a sequence's
+  own blocks are never read), ``cache_seqlens``/``cu_seqlens_k`` int32 counting the new
+  tokens too (they are stored before attention runs), same dtype for q and cache.
+- torch SDPA otherwise: decode batched over sequences (keys gathered from their blocks,
+  padded, masked), prefill one sequence at a time (new k/v used directly when nothing
+  is cached before them).
+
+Static decode (``meta.static``, the CUDA-graph path of ``models/qwen3/static_decode.py``):
+nothing in the forward reads a device value on the host (a stream that is being
+captured into a CUDA graph may not synchronise). The caller guarantees every
+``slot_mapping`` entry is a real slot (padding rows write to a slot no sequence owns),
+so the ``-1`` filter and its ``bool(...)`` are skipped, and decode attends over every
+column of ``block_tables`` (a fixed width) under the context-length mask instead of
+cutting the width at ``context_lens.max()`` (entries past a sequence's own blocks are
+read, then masked; -1 reads block 0).
 """
 
 from __future__ import annotations
@@ -29,10 +49,28 @@ from torch.nn import functional as F
 
 try:  # the CUDA path; absent on CPU machines
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
-except ImportError:  # pragma: no cover - depends on the installation
+    FLASH_IMPORT_ERROR: str | None = None
+except Exception as exc:  # pragma: no cover - depends on the installation (ImportError, or a broken build)
     flash_attn_varlen_func = flash_attn_with_kvcache = None
+    FLASH_IMPORT_ERROR = f"flash_attn does not import ({type(exc).__name__}: {exc})"
 
 FLASH_BLOCK_MULTIPLE = 256
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def flash_attention_status(device: torch.device | str, dtype: torch.dtype, block_size: int) -> tuple[bool, str]:
+    """Whether ``Attention`` takes the flash-attn path for this device, dtype and block size, and why."""
+    device = torch.device(device)
+    if FLASH_IMPORT_ERROR is not None:
+        return False, FLASH_IMPORT_ERROR
+    if device.type != "cuda":
+        return False, f"flash-attn needs a CUDA device, the model is on {device}"
+    if dtype not in FLASH_DTYPES:
+        return False, f"flash-attn needs float16 or bfloat16, the model is {dtype}"
+    if block_size % FLASH_BLOCK_MULTIPLE:
+        return False, (f"flash-attn's paged KV cache needs a block_size that is a multiple of "
+                       f"{FLASH_BLOCK_MULTIPLE}, got {block_size}")
+    return True, f"flash-attn (paged KV cache, block_size {block_size})"
 
 
 @dataclass
@@ -46,6 +84,8 @@ class AttentionMetadata:
     block_tables: [B, max_blocks] int32/64, -1 padded: each sequence's blocks in logical order.
                   May be empty ([B, 0]) in a prefill where no sequence has a cached prefix.
     cu_seqlens_q: [B+1] int64, offsets of each sequence's new tokens in the flat batch.
+    static:       a fixed-shape decode that must not synchronise with the host (see the module
+                  docstring): no -1 in slot_mapping, attention spans every block_tables column.
     """
 
     is_prefill: bool
@@ -53,15 +93,21 @@ class AttentionMetadata:
     context_lens: torch.Tensor
     block_tables: torch.Tensor
     cu_seqlens_q: torch.Tensor
+    static: bool = False
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
-    """``cache.view(-1, kv_heads, head_dim)[slot] = k/v`` for every token whose slot is not -1."""
+                  slot_mapping: torch.Tensor, all_valid: bool = False) -> None:
+    """``cache.view(-1, kv_heads, head_dim)[slot] = k/v`` for every token whose slot is not -1.
+
+    ``all_valid``: the caller guarantees no slot is -1; nothing is then read back to the host
+    (the check below is a host-device sync on CUDA, and its filter a data-dependent shape).
+    """
     slots = slot_mapping.long()
-    keep = slots >= 0
-    if not bool(keep.all()):
-        k, v, slots = k[keep], v[keep], slots[keep]
+    if not all_valid:
+        keep = slots >= 0
+        if not bool(keep.all()):
+            k, v, slots = k[keep], v[keep], slots[keep]
     # index_copy_, not ``cache[slots] = k``: the index_put path is orders of magnitude slower on CPU
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
@@ -86,7 +132,7 @@ class Attention(nn.Module):
         """q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""
         cached = self.k_cache.numel() > 0
         if cached:
-            store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, all_valid=meta.static)
         if cached and self._flash(q):
             return self._flash_forward(q, k, v, meta)
         if not meta.is_prefill:
@@ -131,8 +177,12 @@ class Attention(nn.Module):
         if q.size(0) != lens.numel():
             raise ValueError(f"Attention: a decode step has one token per sequence, got {q.size(0)} tokens "
                              f"for {lens.numel()} sequences")
-        used = -(-int(lens.max()) // self.k_cache.size(1))  # blocks of the longest sequence
-        blocks = meta.block_tables[:, :used].long().clamp(min=0)  # -1 padding reads block 0, masked below
+        if meta.static:  # a fixed width, no host sync: the caller sized the table for the longest sequence
+            blocks = meta.block_tables
+        else:
+            used = -(-int(lens.max()) // self.k_cache.size(1))  # blocks of the longest sequence
+            blocks = meta.block_tables[:, :used]
+        blocks = blocks.long().clamp(min=0)  # -1 padding reads block 0, masked below
         flat = blocks.flatten()
         shape = (blocks.size(0), -1, *self.k_cache.shape[2:])            # [B, S, kv, d]
         keys = self.k_cache.index_select(0, flat).view(shape).to(q.dtype)
@@ -146,13 +196,16 @@ class Attention(nn.Module):
     # ------------------------------------------------------------------ flash-attn path (CUDA)
 
     def _flash(self, q: torch.Tensor) -> bool:
-        return (flash_attn_varlen_func is not None and q.is_cuda
-                and self.k_cache.size(1) % FLASH_BLOCK_MULTIPLE == 0)
+        """``flash_attention_status`` for q and this cache (cheap: no device work)."""
+        return (flash_attn_varlen_func is not None and q.is_cuda and q.dtype in FLASH_DTYPES
+                and self.k_cache.dtype == q.dtype and self.k_cache.size(1) % FLASH_BLOCK_MULTIPLE == 0)
 
     def _flash_forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:  # pragma: no cover - CUDA only
+        # int32 copies (contiguous, as flash-attn needs); no host sync on the decode path
         lens = meta.context_lens.to(torch.int32)
-        tables = meta.block_tables.to(torch.int32)
+        tables = meta.block_tables.to(torch.int32).contiguous()
         if not meta.is_prefill:
+            # q [B, 1, h, d] against each sequence's first cache_seqlens slots (its new token included)
             return flash_attn_with_kvcache(q.unsqueeze(1), self.k_cache, self.v_cache, cache_seqlens=lens,
                                            block_table=tables, softmax_scale=self.scale, causal=True).squeeze(1)
         cu_q = meta.cu_seqlens_q.to(torch.int32)

@@ -1,8 +1,9 @@
 """The built-in plugin ``qwen3``: a Hugging Face Qwen3 checkpoint, tensor parallel, batched.
 
 ``plugin_args``: ``{"model": DIR, "max_num_seqs": 64, "max_num_batched_tokens": 4096,
-"block_size": 16, "kv_cache_blocks": None}`` (None: sized from free memory, see
-``runner``). Request::
+"block_size": 16, "kv_cache_blocks": None, "enforce_eager": False, "static_decode": False,
+"max_seq_len_to_capture": 8192}`` (``kv_cache_blocks`` None: sized from free memory,
+see ``runner``; the last three: the GPU path below). Request::
 
     {"prompt_token_ids": list[int] | list[list[int]], "max_tokens": int (required, >= 1),
      "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None,
@@ -18,6 +19,29 @@ Validation happens in the caller: ``TypeError`` for a value of the wrong type,
 ``ValueError`` for unknown keys, empty prompts, ids outside the vocabulary, a prompt
 plus ``max_tokens`` beyond ``max_position_embeddings``, or (when ``kv_cache_blocks``
 is given) a sequence that could not fit the KV cache even alone.
+
+GPU path. Prefill always runs the eager forward. Decode steps:
+
+- CUDA graphs (``models/qwen3/static_decode.py``), on when ``cuda_graph_status`` allows:
+  a CUDA device, ``enforce_eager`` False, and with tp > 1 NCCL >= 2.9.6 (collectives
+  over gloo are never captured). At build time every rank captures one graph per
+  (batch size, block-table width): sizes 1, 2, 4, ... up to ``max_num_seqs``; widths
+  covering sequences of up to ``max_seq_len_to_capture`` tokens (one width with
+  flash-attn; 256, 1024, 4096, ... tokens with torch SDPA, which attends over the whole
+  width). A decode step pads its batch to the next size (padding rows store into a KV
+  block no sequence owns) and replays; a step with more sequences or a longer sequence
+  runs eagerly. Costs: capture time and a graph memory pool at build, one KV block, and
+  with SDPA attention over up to 4 times the blocks a batch needs.
+- ``static_decode=True`` runs the same static-buffer step eagerly where graphs are off
+  (on CPU: to test and measure it), padded to the batch sizes but with block tables
+  exactly as wide as the longest sequence needs; off by default, when decode runs the
+  eager forward.
+- flash-attn (``models/layers/attention.py``): used when ``flash_attn`` imports, the
+  device is CUDA, the dtype fp16/bf16 and ``block_size`` a multiple of 256 (flash-attn's
+  paged-KV rule); otherwise torch SDPA.
+
+Rank 0 logs on "phyrt.qwen3" whether graphs are on and, when off, why (a WARNING on a
+CUDA device unless ``enforce_eager``), and which attention runs and why.
 """
 
 from __future__ import annotations
@@ -50,6 +74,9 @@ class Qwen3Args:
     max_num_batched_tokens: int = 4096
     block_size: int = 16
     kv_cache_blocks: int | None = None
+    enforce_eager: bool = False
+    static_decode: bool = False
+    max_seq_len_to_capture: int = 8192
     # read from the checkpoint's config.json (and generation_config.json for EOS)
     vocab_size: int = 0
     max_positions: int = 0
@@ -61,7 +88,8 @@ class Qwen3Args:
     def parse(cls, plugin_args: Any) -> "Qwen3Args":
         if not isinstance(plugin_args, dict):
             raise TypeError(f"qwen3 plugin_args must be a dict with at least 'model', got {plugin_args!r}")
-        known = ("model", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_blocks")
+        known = ("model", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_blocks",
+                 "enforce_eager", "static_decode", "max_seq_len_to_capture")
         unknown = sorted(str(k) for k in plugin_args if k not in known)
         if unknown:
             raise ValueError(f"qwen3 plugin_args has unknown keys {unknown}; known: {list(known)}")
@@ -70,11 +98,14 @@ class Qwen3Args:
         args = dict(plugin_args)
         if not isinstance(args["model"], str):
             raise TypeError(f"qwen3 plugin_args['model'] must be a directory path string, got {args['model']!r}")
-        for key in known[1:4]:
+        for key in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_seq_len_to_capture"):
             if key in args:
                 _int(f"plugin_args[{key!r}]", args[key], 1)
         if args.get("kv_cache_blocks") is not None:
             _int("plugin_args['kv_cache_blocks']", args["kv_cache_blocks"], 1)
+        for key in ("enforce_eager", "static_decode"):
+            if key in args and not isinstance(args[key], bool):
+                raise TypeError(f"qwen3 plugin_args[{key!r}] must be a bool, got {args[key]!r}")
         path = Path(args["model"])
         if not (path / "config.json").is_file():
             raise ValueError(f"qwen3 plugin_args['model']={args['model']!r} is not a checkpoint directory "

@@ -21,7 +21,10 @@ position in its sequence (``context_lens[b] - n_b + i``). The caches must be con
 (``cache.view(-1, kv_heads, head_dim)`` is the slot-indexed view); call the model under
 ``torch.inference_mode()``. The runner passes to ``compute_logits`` the rows it samples
 from (the last new token of each sequence); ``compute_logits`` is collective over
-``dense_tp`` too.
+``dense_tp`` too. With ``meta.static`` (a decode batch of fixed shape: no -1 slot,
+attention over every table column) the forward reads nothing back to the host, so it
+can be captured in a CUDA graph (``models/qwen3/static_decode.py``, which captures the
+forward only; ``compute_logits`` runs after the replay).
 
 Groups: q/k/v, attention and o_proj are split over ``attention_tp``; the MLP, embedding
 and LM head over ``dense_tp``; logits are gathered to group rank 0 of ``dense_tp``

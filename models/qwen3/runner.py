@@ -38,11 +38,22 @@ of free memory (``KV_CACHE_MEMORY_FRACTION`` of free CUDA memory on the device
 after loading, or of available host memory divided among the ranks on CPU), capped
 at what ``max_num_seqs`` sequences of ``max_position_embeddings`` tokens could use;
 the count is agreed with an all_reduce MIN over the world so that every rank holds
-the same blocks.
+the same blocks. With the static decode on, the cache holds one more block, the
+padding block (``num_blocks``), which no sequence owns.
+
+Decode steps (see ``models/qwen3/static_decode.py``): with CUDA graphs on
+(``cuda_graph_status``: a CUDA device, not ``enforce_eager``, and NCCL >= 2.9.6 when
+tp > 1) or ``static_decode=True``, a decode step that fits the captured shapes runs
+on static buffers, padded to the next captured batch size: replayed from a CUDA graph,
+or run eagerly where graphs are off. Every other step (prefill, or a decode that does
+not fit) runs the eager forward below. Each rank picks the same path and shape from
+the same plan. The reasons (graphs, attention kernel) are logged once by rank 0 on
+"phyrt.qwen3" and kept in ``cuda_graphs``/``attention_backend``.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +74,7 @@ from runtime.plugins import BuildContext
 PLAN_BYTES = 16384
 #: share of free memory the KV cache takes when ``kv_cache_blocks`` is None
 KV_CACHE_MEMORY_FRACTION = {"cuda": 0.8, "cpu": 0.2}
+log = logging.getLogger("phyrt.qwen3")
 _ARRAYS = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "context_lens", "block_tables")
 
 
@@ -92,8 +104,10 @@ class Qwen3Runner:
     """add/step/has_unfinished for one rank (see the module docstring)."""
 
     def __init__(self, ctx: BuildContext, args: Qwen3Args) -> None:
+        from models.layers.attention import flash_attention_status
         from models.loader import load_checkpoint, load_config
         from models.qwen3.model import Qwen3ForCausalLM
+        from models.qwen3.static_decode import StaticDecoder, cuda_graph_status
 
         self.args = args
         self.device = torch.device(ctx.device)
@@ -103,9 +117,36 @@ class Qwen3Runner:
         self.leader = P.rank("world") == 0
         self.model = Qwen3ForCausalLM(load_config(args.model), self.dtype, self.device).eval()
         load_checkpoint(self.model, args.model)
-        self.num_blocks = self._allocate_kv_cache(ctx.target)
-        # counters for inspection: steps run, most sequences in one step, preemptions
+        flash, self.attention_backend = flash_attention_status(self.device, self.dtype, args.block_size)
+        if not flash:
+            self.attention_backend = f"torch SDPA ({self.attention_backend})"
+        backend = None
+        if self.distributed:
+            import torch.distributed as dist
+
+            backend = dist.get_backend()
+        graphs, self.cuda_graphs = cuda_graph_status(self.device, enforce_eager=args.enforce_eager,
+                                                     world_size=P.size("world"), backend=backend)
+        static = graphs or args.static_decode
+        self.num_blocks = self._allocate_kv_cache(ctx.target, padding_block=static)
+        self.decoder = None
+        if static:
+            self.decoder = StaticDecoder(
+                self.model, block_size=args.block_size, padding_block=self.num_blocks,
+                max_num_seqs=args.max_num_seqs, max_len=min(args.max_seq_len_to_capture, args.max_positions),
+                flash=flash, use_graphs=graphs)
+            if graphs:
+                self.cuda_graphs += (f", decode batch sizes {self.decoder.sizes} x block-table widths "
+                                     f"{self.decoder.widths} captured")
+        if self.leader:
+            decode = ("CUDA graphs" if graphs else "static buffers, run eagerly (static_decode=True)" if static
+                      else "eager")
+            log.log(logging.WARNING if self.device.type == "cuda" and not graphs and not args.enforce_eager
+                    else logging.INFO, "qwen3: CUDA graphs %s; decode: %s; attention: %s",
+                    self.cuda_graphs, decode, self.attention_backend)
+        # counters for inspection: steps run, decode steps on the static buffers, most sequences in one step
         self.num_steps = 0
+        self.num_static_steps = 0
         self.max_batch_seqs = 0
         if self.leader:
             bm = BlockManager(self.num_blocks, args.block_size)
@@ -124,7 +165,7 @@ class Qwen3Runner:
 
     # -- setup ---------------------------------------------------------------------
 
-    def _allocate_kv_cache(self, target: str) -> int:
+    def _allocate_kv_cache(self, target: str, padding_block: bool = False) -> int:
         layers = self.model.attention_layers()
         block_shape = self.model.kv_cache_shape(1, self.args.block_size)
         block_bytes = 2 * len(layers) * math.prod(block_shape) * self.dtype.itemsize
@@ -140,7 +181,7 @@ class Qwen3Runner:
             num_blocks = max(1, min(useful, int(free * KV_CACHE_MEMORY_FRACTION[target]) // block_bytes))
         agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
         num_blocks = int(P.all_reduce(agreed, "world", op="min").item())
-        shape = self.model.kv_cache_shape(num_blocks, self.args.block_size)
+        shape = self.model.kv_cache_shape(num_blocks + padding_block, self.args.block_size)
         cache = torch.zeros(2, len(layers), *shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
@@ -241,6 +282,14 @@ class Qwen3Runner:
         """Run the model on ``batch``; the logits of each sequence's last token on rank 0."""
         from models.layers.attention import AttentionMetadata
 
+        self.num_steps += 1
+        self.max_batch_seqs = max(self.max_batch_seqs, len(batch.context_lens))
+        if not batch.is_prefill and self.decoder is not None:
+            hidden = self.decoder.run(batch)  # None: the batch does not fit the static shapes
+            if hidden is not None:
+                self.num_static_steps += 1
+                return self.model.compute_logits(hidden)
+
         def dev(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array).to(self.device, non_blocking=True)
 
@@ -248,8 +297,6 @@ class Qwen3Runner:
                                  context_lens=dev(batch.context_lens), block_tables=dev(batch.block_tables),
                                  cu_seqlens_q=dev(batch.cu_seqlens_q))
         hidden = self.model(dev(batch.input_ids), dev(batch.positions), meta)
-        self.num_steps += 1
-        self.max_batch_seqs = max(self.max_batch_seqs, len(batch.context_lens))
         return self.model.compute_logits(hidden[dev(batch.cu_seqlens_q[1:] - 1)])
 
 

@@ -3,18 +3,33 @@
     python tests/gpu/check_cuda.py          # prints one line per check, exits 1 on a failure
 
 Checks: the qwen3 plugin on CUDA (greedy tokens equal to ``transformers.generate``
-on a tiny random checkpoint, inline and, with two GPUs, tp=2 over NCCL), device
-pinning and NCCL (a tp=2 policy replica on devices 0 and 1 gives the
-inline actions), CUDA-IPC requests and results (a CUDA result of the local engine
-is a CUDA tensor on the rank's device, readable here, zero-copy). Skips the two-GPU checks when one GPU is visible.
+on a tiny random checkpoint, inline and, with two GPUs, tp=2 over NCCL; CUDA graphs
+are on by default there), device pinning and NCCL (a tp=2 policy replica on devices 0
+and 1 gives the inline actions), CUDA-IPC requests and results (a CUDA result of the
+local engine is a CUDA tensor on the rank's device, readable here, zero-copy). Skips
+the two-GPU checks when one GPU is visible.
+
+qwen3 decode on CUDA graphs (``check_qwen3_graphs``), on a random checkpoint of the
+bench.llm shape (58M parameters): graphs were captured, graph decode gives the eager
+decode's greedy tokens (3 prompts of different lengths: a batch padded 3 -> 4) at tp=1
+and, with two GPUs, tp=2 over NCCL (collectives inside the graphs), in fp32 with torch
+SDPA; with flash_attn installed, the flash-attn kernels against SDPA at the layer level
+(prefill, prefill after a cached prefix, decode, static decode; bf16) and the plugin on
+flash-attn (bf16, block_size 256) with and without graphs. Then a table of generated
+tokens/s, eager vs graphs, 1 and 16 concurrent prompts.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
 
 from runtime import (AttentionParallelConfig, DenseParallelConfig, DeploymentConfig, DeviceConfig,
                      Engine, EngineArgs, EngineConfig, ParallelConfig, WorkerSupervisorConfig)
@@ -60,6 +75,7 @@ def main() -> int:
     else:
         print("skip tp=2 over NCCL: one GPU visible")
     check_qwen3(count)
+    check_qwen3_graphs(count)
     print("failures:", FAILURES or "none")
     return 1 if FAILURES else 0
 
@@ -87,7 +103,7 @@ def check_qwen3(count: int) -> None:
         cuda = EngineConfig(device=DeviceConfig(target="cuda"))
         with Engine(EngineArgs("qwen3", {"model": model_dir}, cuda)) as inline:
             tokens = inline.step(request)["token_ids"]
-        check("qwen3 inline on cuda equals transformers", tokens == reference)
+        check("qwen3 inline on cuda (graphs on) equals transformers", tokens == reference)
         if count >= 2:
             args = EngineArgs("qwen3", {"model": model_dir}, EngineConfig(
                 device=DeviceConfig(target="cuda"),
@@ -96,7 +112,167 @@ def check_qwen3(count: int) -> None:
             with Engine(args, DeploymentConfig.local(devices=(0, 1),
                                                      process_config=WorkerSupervisorConfig(base_port=29670))) as tp:
                 tokens = tp.step(request)["token_ids"]
-            check("qwen3 tp=2 over NCCL equals transformers", tokens == reference)
+            check("qwen3 tp=2 over NCCL (graphs on) equals transformers", tokens == reference)
+
+
+
+# --------------------------------------------------------------------------- qwen3: CUDA graphs, flash-attn
+
+GRAPH_CONFIG = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                    num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=512,
+                    tie_word_embeddings=False)
+NEW_TOKENS = 128
+
+
+def runner_of(engine: Engine):
+    """An inline engine's Qwen3Runner (internal, for inspection)."""
+    return engine._dispatcher.executors[0]._core.runner
+
+
+def qwen3_engine(model_dir: str, tp: int, port: int, dtype: str = "float32", **plugin_args) -> Engine:
+    args = {"model": model_dir, "max_num_seqs": 16, "kv_cache_blocks": 1024, **plugin_args}
+    if tp == 1:
+        return Engine(EngineArgs("qwen3", args, EngineConfig(device=DeviceConfig(target="cuda", params_dtype=dtype))))
+    return Engine(EngineArgs("qwen3", args, EngineConfig(
+        device=DeviceConfig(target="cuda", params_dtype=dtype),
+        parallel=ParallelConfig(dense=DenseParallelConfig(tp_size=tp), attention=AttentionParallelConfig(tp_size=tp)))),
+        DeploymentConfig.local(devices=tuple(range(tp)), process_config=WorkerSupervisorConfig(base_port=port)))
+
+
+def tokens_per_s(engine: Engine, prompts: list[list[int]]) -> float:
+    """Generated tokens/s of one request of ``prompts`` (NEW_TOKENS each, prefill included), after a warm-up."""
+    request = {"prompt_token_ids": prompts, "max_tokens": NEW_TOKENS, "ignore_eos": True}
+    engine.step(request, timeout=300)
+    torch.cuda.synchronize()  # (the result is back only once the ranks sampled; this covers the inline device)
+    start = time.perf_counter()
+    engine.step(request, timeout=300)
+    torch.cuda.synchronize()
+    return len(prompts) * NEW_TOKENS / (time.perf_counter() - start)
+
+
+def check_qwen3_graphs(count: int) -> None:
+    import tempfile
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from models.layers import attention
+
+    gen = torch.Generator().manual_seed(1)
+    vocab = GRAPH_CONFIG["vocab_size"]
+    mixed = [[7], [3, 1, 4, 1, 5], torch.randint(1, vocab, (40,), generator=gen).tolist()]  # a batch padded 3 -> 4
+    batch16 = torch.randint(1, vocab, (16, 32), generator=gen).tolist()
+    rows: list[tuple[str, int, int, float, float]] = []
+    configs = [("fp32 SDPA", 1, "float32", {})]
+    if count >= 2:
+        configs.append(("fp32 SDPA", 2, "float32", {}))
+    else:
+        print("skip qwen3 graphs tp=2 over NCCL: one GPU visible")
+    if attention.FLASH_IMPORT_ERROR is None:
+        check_flash_layer()
+        configs.append(("bf16 flash-attn", 1, "bfloat16", {"block_size": 256, "kv_cache_blocks": 64}))
+    else:
+        print(f"skip flash-attn: {attention.FLASH_IMPORT_ERROR}")
+    with tempfile.TemporaryDirectory() as model_dir:
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(Qwen3Config(**GRAPH_CONFIG))
+        params = sum(p.numel() for p in model.parameters())
+        model.save_pretrained(model_dir)
+        del model
+        port = 29680
+        for name, tp, dtype, extra in configs:
+            results = {}
+            for mode, flags in (("eager", {"enforce_eager": True}), ("graphs", {})):
+                port += 10
+                try:
+                    results[mode] = run_qwen3(model_dir, name, mode, tp, port, dtype, {**extra, **flags}, mixed,
+                                              batch16)
+                except Exception as exc:  # report, and go on with the other configurations
+                    check(f"qwen3 {name} tp={tp} {mode}", False, f"{type(exc).__name__}: {exc}")
+            if len(results) < 2:
+                continue
+            same = results["graphs"][0] == results["eager"][0]
+            if dtype == "float32":
+                check(f"qwen3 {name} tp={tp}: graph decode tokens equal eager", same)
+            else:  # bf16: padded batches may round differently, and greedy can flip on a near tie
+                agree = sum(a == b for g, e in zip(results["graphs"][0], results["eager"][0]) for a, b in zip(g, e))
+                print(f"info qwen3 {name} tp={tp}: graph tokens equal eager: {same} ({agree}/{32 * len(mixed)})")
+            for i, batch in ((1, 1), (2, 16)):
+                rows.append((name, tp, batch, results["eager"][i], results["graphs"][i]))
+    print(f"\nqwen3 decode, random {GRAPH_CONFIG['hidden_size']}x{GRAPH_CONFIG['num_hidden_layers']} Qwen3 "
+          f"({params / 1e6:.0f}M params), 32-token prompts, {NEW_TOKENS} new tokens, generated tokens/s "
+          "(prefill included), one run after a warm-up\n")
+    print("| path | tp | prompts | eager tok/s | graphs tok/s | graphs / eager |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, tp, batch, eager, graphs in rows:
+        print(f"| {name} | {tp} | {batch} | {eager:.0f} | {graphs:.0f} | {graphs / eager:.2f} |")
+    print()
+
+
+def run_qwen3(model_dir: str, name: str, mode: str, tp: int, port: int, dtype: str, plugin_args: dict,
+              mixed: list[list[int]], batch16: list[list[int]]) -> tuple[list[list[int]], float, float]:
+    """One engine: the greedy tokens of ``mixed`` (32 each), then tokens/s with 1 and 16 prompts."""
+    with qwen3_engine(model_dir, tp, port, dtype, **plugin_args) as engine:
+        if tp == 1:
+            runner = runner_of(engine)
+            if mode == "graphs":
+                check(f"qwen3 {name}: graphs captured", bool(runner.decoder and runner.decoder.graphs),
+                      runner.cuda_graphs)
+            if "flash" in name:
+                check(f"qwen3 {name} ({mode}): attention is flash-attn",
+                      runner.attention_backend.startswith("flash-attn"), runner.attention_backend)
+        tokens = engine.step({"prompt_token_ids": mixed, "max_tokens": 32}, timeout=300)["token_ids"]
+        if tp == 1 and mode == "graphs":
+            check(f"qwen3 {name}: decode steps ran on graphs", runner.num_static_steps > 0,
+                  f"{runner.num_static_steps} of {runner.num_steps} steps, shapes {dict(runner.decoder.steps)}")
+        return tokens, tokens_per_s(engine, batch16[:1]), tokens_per_s(engine, batch16)
+
+
+def check_flash_layer(dev: torch.device = torch.device("cuda:0"), dtype: torch.dtype = torch.bfloat16) -> None:
+    """flash-attn against torch SDPA on one Attention layer over the paged cache (bf16, block 256)."""
+    from models.layers.attention import Attention, AttentionMetadata
+
+    heads, kv, dim, block, num_blocks = 8, 4, 64, 256, 8
+    attn = Attention(heads, dim, dim**-0.5, kv)
+    attn.k_cache = torch.zeros(num_blocks + 1, block, kv, dim, dtype=dtype, device=dev)  # + a padding block
+    attn.v_cache = torch.zeros_like(attn.k_cache)
+    tables, lens = {0: [3, 5], 1: [1]}, {0: 0, 1: 0}
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def step(new: dict[int, int], is_prefill: bool, static: bool = False) -> float:
+        """Store and attend ``new[s]`` tokens of each sequence; the largest |flash - SDPA|."""
+        slots, cu = [], [0]
+        for s, n in new.items():
+            slots += [tables[s][p // block] * block + p % block for p in range(lens[s], lens[s] + n)]
+            lens[s] += n
+            cu.append(cu[-1] + n)
+        width = max(len(tables[s]) for s in new)
+        pad = num_blocks if static else -1
+        meta = AttentionMetadata(
+            is_prefill, torch.tensor(slots, device=dev), torch.tensor([lens[s] for s in new], device=dev),
+            torch.tensor([tables[s] + [pad] * (width - len(tables[s])) for s in new], device=dev),
+            torch.tensor(cu, device=dev), static=static)
+        q = torch.randn(cu[-1], heads, dim, generator=gen, device=dev, dtype=dtype)
+        k = torch.randn(cu[-1], kv, dim, generator=gen, device=dev, dtype=dtype)
+        v = torch.randn(cu[-1], kv, dim, generator=gen, device=dev, dtype=dtype)
+        assert attn._flash(q)
+        flash = attn(q, k, v, meta)
+        attn._flash = lambda q: False  # the SDPA path, on the same cache (storing the same k/v again)
+        try:
+            sdpa = attn(q, k, v, meta)
+        finally:
+            del attn._flash
+        return (flash.float() - sdpa.float()).abs().max().item()
+
+    for what, new, is_prefill, static in (("prefill", {0: 300, 1: 17}, True, False),
+                                          ("prefill after a cached prefix", {0: 20, 1: 3}, True, False),
+                                          ("decode", {0: 1, 1: 1}, False, False),
+                                          ("static decode", {0: 1, 1: 1}, False, True)):
+        try:
+            diff = step(new, is_prefill, static)
+        except Exception as exc:  # a flash-attn build without some feature: report, go on
+            check(f"flash-attn {what} equals SDPA (bf16)", False, f"{type(exc).__name__}: {exc}")
+            continue
+        check(f"flash-attn {what} equals SDPA (bf16)", diff < 5e-2, f"max diff {diff:.1e}")
 
 
 if __name__ == "__main__":
