@@ -10,6 +10,7 @@ The rank side (the test file's ``__main__``) calls ``rank_args`` and ``init_gloo
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -73,3 +74,11 @@ def init_gloo(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))
+    # a gloo group left to the interpreter's teardown can abort the process ("terminate called
+    # without an active exception") after the rank's work is done and written
+    atexit.register(_destroy_group)
+
+
+def _destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
