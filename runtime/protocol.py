@@ -51,13 +51,26 @@ server is done with it: at the request's reply, or, if that reply said
 ``inputs_held`` (a deadline fired while the plugin still read the block), at
 ``inputs_done``. Results: with ``shm_results`` the server places large result
 tensors in an arena it keeps for that connection; the client copies them out at
-once and sends ``release``, whose first use of a segment also tells the server the
-client has mapped it, so the server unlinks that name. Results are therefore always
+once and sends ``release`` (with its next message, at the latest with its next
+heartbeat), whose first use of a segment also tells the server the client has
+mapped it, so the server unlinks that name. Results are therefore always
 ordinary, writable arrays the caller owns. The server drops a connection's shared
 memory (and unlinks what is left) when the ``pid`` it registered with is gone, or
 after ``client_timeout_s`` of silence (the client pings every heartbeat interval).
 
 Decoding treats its input as untrusted: every failure raises ``ProtocolError``.
+
+Speed. A small request pays for its encoding and decoding four times per round trip,
+so both have a fast path that leaves the walk to msgpack's C code and keeps every
+check of the slow one. Encoding (``PayloadEncoder.pack``): ``_packable`` looks at
+the containers only (str keys, depth, no type the wire forbids; a list of plain
+scalars costs one C-level type scan), then msgpack packs with ``default=`` handing
+over the tensors and numpy scalars; anything else goes down the slow path, which
+names the path of what it rejects. The packed payload is spliced into its header
+(``Packed``), not packed twice. Decoding: without a Timestamp's bytes anywhere in
+the frame (``_TIMESTAMP``, every encoding msgpack accepts) only the map hook runs
+(duplicate keys; bytes keys only where a bin can be); otherwise every map and list
+is checked as before.
 The dtype table and the dtype check are the same as ``runtime.wire``'s, which keeps
 them private; the shape check differs on purpose (entries below 2**40 here).
 """
@@ -65,6 +78,7 @@ them private; the shape check differs on purpose (entries below 2**40 here).
 from __future__ import annotations
 
 import math
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -167,6 +181,28 @@ class PayloadEncoder:
             return bytes(obj)
         raise TypeError(f"{path}: cannot send a {type(obj).__name__}")
 
+    def pack(self, obj: Any, path: str = "payload") -> "Packed":
+        """``encode`` and msgpack in one: the bytes of ``obj``, tensors to ``frames`` or shared memory.
+
+        The same result, and the same errors, as ``msgpack.packb(self.encode(obj))``.
+        """
+        if isinstance(obj, (dict, list, tuple)) and _packable(obj, 0):
+            frames = len(self.frames)
+            try:
+                return Packed(msgpack.packb(obj, use_bin_type=True, default=self._leaf))
+            except Exception:  # say where, and what, from the slow path (blocks stay listed for free)
+                del self.frames[frames:]
+        return Packed(msgpack.packb(self.encode(obj, path), use_bin_type=True))
+
+    def _leaf(self, obj: Any) -> Any:
+        """msgpack's ``default=``: what ``encode`` makes of a value msgpack cannot pack itself."""
+        parts = tensor_parts(obj)
+        if parts is not None:
+            return self._tensor(*parts)
+        if isinstance(obj, (np.bool_, np.integer, np.floating)):
+            return obj.item()
+        raise TypeError(f"cannot send a {type(obj).__name__}")
+
     def _tensor(self, name: str, shape: list[int], arr: np.ndarray) -> msgpack.ExtType:
         flat = arr.reshape(-1).view(np.uint8)
         if self.place is not None and flat.nbytes >= self.shm_threshold:
@@ -182,8 +218,66 @@ class PayloadEncoder:
         return msgpack.ExtType(EXT_FRAME, msgpack.packb([name, shape, len(self.frames) - 1]))
 
 
+class Packed:
+    """msgpack bytes of one value (``PayloadEncoder.pack``), spliced into a header by ``pack_header``."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+#: the header fields that may hold a ``Packed`` value, and their msgpack bytes
+_PACKED_FIELDS = {key: msgpack.packb(key) for key in ("payload", "result")}
+
+
 def pack_header(header: dict[str, Any]) -> bytes:
+    """msgpack bytes of a header; a ``Packed`` payload or result is spliced in as it is."""
+    for key, packed_key in _PACKED_FIELDS.items():
+        value = header.get(key)
+        if type(value) is Packed:
+            rest = header.copy()
+            del rest[key]
+            if len(header) > 15:  # a fixmap: its first byte holds its size
+                raise ValueError("a header with a packed field holds at most 15 fields")
+            return b"".join((bytes((0x80 | len(header),)), msgpack.packb(rest, use_bin_type=True)[1:],
+                             packed_key, value.data))
     return msgpack.packb(header, use_bin_type=True)
+
+
+_STR = frozenset({str})
+#: exact types msgpack packs as they are
+_PLAIN = frozenset({str, int, float, bool, type(None), bytes})
+#: what the slow path converts (a subclass, a strided memoryview) or refuses (ExtType, Timestamp)
+_SLOW = (dict, list, tuple, memoryview, bytearray, msgpack.ExtType, msgpack.Timestamp)
+
+
+def _packable(obj: dict | list | tuple, depth: int) -> bool:
+    """Whether msgpack, with ``PayloadEncoder._leaf`` as ``default=``, packs ``obj`` (at ``depth``)
+    exactly as ``encode`` then ``packb`` would. Looks at containers only; False: the slow path."""
+    if depth >= MAX_DEPTH - 1:  # the slow path counts the levels of every value
+        return False
+    t = type(obj)
+    if t is dict:
+        if not _STR.issuperset(map(type, obj)):
+            return False
+        values: Any = obj.values()
+    elif t is list or t is tuple:
+        values = obj
+    else:
+        return False
+    if _PLAIN.issuperset(map(type, values)):  # a vector of numbers: one C-level scan
+        return True
+    for value in values:
+        t = type(value)
+        if t in _PLAIN:
+            continue
+        if t is dict or t is list or t is tuple:
+            if not _packable(value, depth + 1):
+                return False
+        elif issubclass(t, _SLOW):
+            return False
+    return True
 
 
 # --------------------------------------------------------------------------- decoding
@@ -219,22 +313,67 @@ def _checked_list(items: list[Any]) -> list[Any]:
     return items
 
 
+def _unique_map(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """The map hook where no key can be bytes (no bin in the frame) and no value a Timestamp."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ProtocolError("a map has duplicate keys")
+    return out
+
+
+def _str_key_map(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
+    """The map hook where no value can be a Timestamp (strict_map_key lets through str and bytes only)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ProtocolError("a map has duplicate keys")
+    if bytes in map(type, out):
+        raise ProtocolError(f"map keys must be str, got {next(k for k in out if type(k) is not str)!r}")
+    return out
+
+
+#: every encoding of a msgpack Timestamp (extension -1 of 4, 8 or 12 bytes), which msgpack
+#: decodes without asking ext_hook; bytes like these inside a str or bin only cost the slow path
+_TIMESTAMP = re.compile(rb"[\xd6\xd7]\xff|\xc7[\x04\x08\x0c]\xff|\xc8\x00[\x04\x08\x0c]\xff"
+                        rb"|\xc9\x00\x00\x00[\x04\x08\x0c]\xff")
+_SCAN_COPY_LIMIT = 4096
+
+
 def _unpackb(data: Any, ext_hook: Callable[[int, bytes], Any]) -> Any:
     # unpackb on one whole frame, every length bounded by the frame: a forged length
     # fails at once instead of allocating (a streaming Unpacker would wait for more)
+    if type(data) is not bytes:
+        view = memoryview(data)
+        if view.nbytes <= _SCAN_COPY_LIMIT and view.c_contiguous:
+            data = view.tobytes()
     n = memoryview(data).nbytes
+    if type(data) is bytes and (0xFF not in data or _TIMESTAMP.search(data) is None):
+        bins = 0xC4 in data or 0xC5 in data or 0xC6 in data
+        return msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True,
+                               object_pairs_hook=_str_key_map if bins else _unique_map, ext_hook=ext_hook,
+                               max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n, max_ext_len=n)
     return msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True, object_pairs_hook=_str_map,
                            list_hook=_checked_list, ext_hook=ext_hook, max_str_len=n, max_bin_len=n,
                            max_array_len=n, max_map_len=n, max_ext_len=n)
 
 
-def unpack_header(data: Any, max_bytes: int) -> dict[str, Any]:
-    """Decode a header frame; tensors stay ``_Ext`` placeholders. ProtocolError if malformed."""
+def unpack_header(data: Any, max_bytes: int, refs: list | None = None) -> dict[str, Any]:
+    """Decode a header frame; tensors stay ``_Ext`` placeholders. ProtocolError if malformed.
+
+    ``refs``: a list that gets every placeholder, so that a caller can skip
+    ``TensorResolver`` when there is none.
+    """
     n = memoryview(data).nbytes
     if n > max_bytes:
         raise ProtocolError(f"header frame of {n} bytes exceeds the limit of {max_bytes}")
+    if refs is None:
+        hook: Callable[[int, bytes], Any] = _Ext
+    else:
+        def hook(code: int, body: bytes) -> _Ext:
+            ext = _Ext(code, body)
+            refs.append(ext)
+            return ext
     try:
-        msg = _unpackb(data, _Ext)
+        msg = _unpackb(data, hook)
     except ProtocolError:
         raise
     except Exception as exc:  # untrusted input: any failure to decode is a protocol failure

@@ -1,17 +1,25 @@
 """Server: an Engine behind a ZeroMQ ROUTER socket (the wire is described in runtime.protocol).
 
-    clients (DEALER)                  I/O thread (owns the ROUTER)                       engine
-    [header, *tensor frames] ----->  recv (no copy), decode, check, engine.submit ---->  Future
+    clients (DEALER)                  I/O thread                                         engine
+    [header, *tensor frames] ----->  recv (tensor frames: no copy), decode, check,
+                                     engine.submit ------------------------------------>  Future
                                      ping, info, cancel, register, release;
                                      deadlines from a heap
-                                                          completions deque + wake pipe
-                                     send (never blocks)  <----------  done callback: encodes the
-    <----- [header, *tensor frames]                                    result on the engine's thread
+                                                          done callback, on the engine's thread:
+    <----- [header, *tensor frames] ------------------    encodes the result and sends the reply
+                                     (the I/O thread      (never blocks: NOBLOCK)
+                                     sends it instead
+                                     when a deadline
+                                     answered first)
 
 Invariants:
-- Only the I/O thread touches the ROUTER (ZMQ sockets are not thread-safe). Engine
-  calls made there return at once (``Engine.submit`` validates and queues); the
-  engine's completion callbacks only encode and hand the reply over.
+- The ROUTER is used under ``_sock_lock`` only (ZMQ sockets are not thread-safe):
+  the I/O thread reads and answers there, and the thread that completes a request
+  sends its reply at once, without a hop back to the I/O thread. The I/O thread
+  sleeps in ``poll`` on the socket's (edge-triggered) ``ZMQ_FD`` without the lock;
+  so every holder checks ``EVENTS`` after its send, and wakes the I/O thread
+  when messages are waiting. Engine calls made on the I/O thread return at once
+  (``Engine.submit`` validates and queues); the socket is never held across one.
 - Everything a client sends is untrusted: ``MAXMSGSIZE`` drops oversized messages
   (and their sender's connection), headers are decoded one frame at a time with
   lengths bounded by the frame, unknown ops and fields are refused, tensor
@@ -24,7 +32,8 @@ Invariants:
   frame (no copy); from shared memory they are views of the client's block.
   Plugins must not write into their inputs.
 - A reply is sent once: the result, or the error of a deadline, cancel or
-  failure, whichever comes first; a result that comes later is dropped.
+  failure, whichever comes first (``InFlight.claim_reply`` decides, under its
+  lock); a result that comes later is dropped.
 - ``max_inflight`` counts requests the engine still holds, answered or not.
 - Shared memory (ipc:// only) is per connection (``runtime.server_shm``): inputs
   from segments that the client registered (mapped, then unlinked at once), results
@@ -45,6 +54,7 @@ import logging
 import os
 import platform
 import secrets
+import select
 import threading
 import time
 import warnings
@@ -74,6 +84,10 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 MAX_HEADER_BYTES = 16 << 20
 _RECV_BATCH = 256
 _HOUSEKEEPING_S = 1.0
+# plain ints: pyzmq's enum members cost microseconds in every ``&`` and call on the hot path
+_NOBLOCK, _SNDMORE, _POLLIN = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.POLLIN)
+_EVENTS, _RCVMORE = int(zmq.EVENTS), int(zmq.RCVMORE)
+_ALLOWED_FIELDS = {op: HEADER_FIELDS | fields for op, fields in OP_FIELDS.items()}
 
 
 @functools.lru_cache(maxsize=1)
@@ -129,6 +143,10 @@ class Server:
         self._ctx = zmq.Context(1)
         self._auth = None
         self._router = None
+        self._router_open = False
+        self._sock_lock = threading.Lock()  # every use of the ROUTER
+        self._io_thread_id: int | None = None
+        self._recheck = False  # the I/O thread's own send may have hidden waiting messages from poll
         self._wake_pipe: WakePipe | None = None
         success = False
         try:
@@ -149,6 +167,8 @@ class Server:
             self.address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
             if self._ipc:
                 os.chmod(self.address[len("ipc://"):], 0o600)
+            self._router_fd = self._router.getsockopt(zmq.FD)
+            self._router_open = True
             self._wake_pipe = WakePipe()
             success = True
         finally:
@@ -213,9 +233,11 @@ class Server:
         self.close()
 
     def _release_sockets(self) -> None:
-        if self._router is not None and not self._router.closed:
-            # a moment for the last replies to reach their clients
-            self._router.close(linger=500 if self._thread is not None else 0)
+        with self._sock_lock:  # a completion that comes later finds the socket closed, and drops its reply
+            self._router_open = False
+            if self._router is not None and not self._router.closed:
+                # a moment for the last replies to reach their clients
+                self._router.close(linger=500 if self._thread is not None else 0)
         if self._auth is not None:
             self._auth.stop()
         self._ctx.term()
@@ -233,22 +255,30 @@ class Server:
     # -- the I/O thread ---------------------------------------------------------------
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_pipe.fd, zmq.POLLIN)
+        self._io_thread_id = threading.get_ident()
+        poller = select.poll()
+        poller.register(self._router_fd, select.POLLIN)  # edge-triggered: see the module's invariants
+        poller.register(self._wake_pipe.fd, select.POLLIN)
+        wake_fd = self._wake_pipe.fd
         next_housekeeping = time.monotonic() + _HOUSEKEEPING_S
+        more = True  # messages may be waiting: read before sleeping
         try:
             while not self._stop:
-                now = time.monotonic()
-                wait = next_housekeeping - now
-                deadline = self._requests.next_deadline()
-                if deadline is not None:
-                    wait = min(wait, deadline - now)
-                events = dict(poller.poll(max(0.0, wait) * 1000 + 1))
-                if self._wake_pipe.fd in events:
+                if more or self._recheck:
+                    wait_ms = 0.0
+                else:
+                    now = time.monotonic()
+                    wait = next_housekeeping - now
+                    deadline = self._requests.next_deadline()
+                    if deadline is not None:
+                        wait = min(wait, deadline - now)
+                    wait_ms = max(0.0, wait) * 1000 + 1
+                events = poller.poll(wait_ms)
+                if events and (len(events) > 1 or events[0][0] == wake_fd):
                     self._wake_pipe.drain()
-                if self._router in events:
-                    self._drain_router()
+                self._recheck = False
+                # bookkeeping before the messages: the last thing before sleeping again is handing
+                # requests to the engine, whose woken thread then waits for the GIL the least
                 self._finish_completed()
                 now = time.monotonic()
                 self._expire_deadlines(now)
@@ -258,24 +288,41 @@ class Server:
                 if not self._accepting and not self._requests:
                     self._idle.set()
                     self._drained.set()
+                batch, more = self._read_router()
+                for identity, frames in batch:
+                    try:
+                        self._handle(identity, frames)
+                    except Exception:  # a server bug must not take the loop down
+                        log.exception("failed to handle a message from %r", identity)
+                        self._reply_error(identity, None, None, "InvalidRequest",
+                                          "the server could not process this message (see its log)")
         except BaseException:  # a bug: log it, and let close() release what is left
             log.exception("the server's I/O thread failed")
             self._idle.set()
             self._drained.set()
 
-    def _drain_router(self) -> None:
-        for _ in range(_RECV_BATCH):  # then completions and deadlines get their turn
-            try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            identity = frames[0].bytes
-            try:
-                self._handle(identity, frames[1:])
-            except Exception:  # a server bug must not take the loop down
-                log.exception("failed to handle a message from %r", identity)
-                self._reply_error(identity, None, None, "InvalidRequest",
-                                  "the server could not process this message (see its log)")
+    def _read_router(self) -> tuple[list[tuple[bytes, list[Any]]], bool]:
+        """What has arrived, as (identity, [header, *tensor frames]); True if a full batch (read on)."""
+        batch: list[tuple[bytes, list[Any]]] = []
+        with self._sock_lock:
+            if not self._router_open:
+                return batch, False
+            router = self._router
+            while router.getsockopt(_EVENTS) & _POLLIN:
+                identity = router.recv(_NOBLOCK, copy=False)  # a Frame knows in C whether parts follow
+                if not identity.more:
+                    continue
+                head = router.recv(copy=False)
+                frames: list[Any] = [head.bytes]
+                more = head.more
+                while more:  # the parts of a message arrive together; tensors stay Frames (no copy)
+                    frame = router.recv(copy=False)
+                    frames.append(frame)
+                    more = frame.more
+                batch.append((identity.bytes, frames))
+                if len(batch) >= _RECV_BATCH:  # then completions and deadlines get their turn
+                    return batch, True
+        return batch, False
 
     def _handle(self, identity: bytes, frames: list[zmq.Frame]) -> None:
         op = request_id = None
@@ -283,24 +330,29 @@ class Server:
         try:
             if len(frames) > 1 + MAX_TENSOR_FRAMES:
                 raise ProtocolError(f"{len(frames) - 1} tensor frames; at most {MAX_TENSOR_FRAMES}")
-            header = unpack_header(frames[0].buffer, self._max_header)
+            head, refs = frames[0], []
+            header = unpack_header(head.buffer if isinstance(head, zmq.Frame) else head, self._max_header, refs)
             op, request_id = header.get("op"), header.get("id")
-            if not isinstance(op, str) or op not in OP_FIELDS:
+            allowed = _ALLOWED_FIELDS.get(op) if isinstance(op, str) else None
+            if allowed is None:
                 bad_op, op = op, None
                 raise ProtocolError(f"unknown op {bad_op!r}; known: {sorted(OP_FIELDS)}"[:300])
             if not is_request_id(request_id):
                 bad_id, request_id = request_id, None
                 raise ProtocolError(f"id must be an int in [0, 2**64) or a str of 1 to 128 characters, "
                                     f"got {bad_id!r}"[:300])
-            unknown = header.keys() - HEADER_FIELDS - OP_FIELDS[op]
-            if unknown:
+            if not header.keys() <= allowed:
+                unknown = header.keys() - HEADER_FIELDS - OP_FIELDS[op]
                 raise ProtocolError(f"unknown fields {sorted(unknown)} for op {op!r}; "
                                     f"allowed: {sorted(OP_FIELDS[op])}"[:300])
             self._metrics.on_request(op)
             client = self._shm.get(identity)
             if client is not None:
-                client.last_seen = time.monotonic()
-            getattr(self, f"_op_{op}")(identity, request_id, header, frames[1:], client)
+                client.last_seen = started
+            if op == "submit":
+                self._op_submit(identity, request_id, header, frames[1:], client, bool(refs))
+            else:
+                getattr(self, f"_op_{op}")(identity, request_id, header, frames[1:], client)
         except ProtocolError as exc:
             self._note_rejected(exc)
             self._metrics.on_reply(False, "InvalidRequest", time.monotonic() - started, op=op or "other")
@@ -311,7 +363,9 @@ class Server:
 
     # -- ops ----------------------------------------------------------------------------
 
-    def _op_submit(self, identity: bytes, request_id: Any, header: dict, frames: list, client: ClientShm | None):
+    def _op_submit(self, identity: bytes, request_id: Any, header: dict, frames: list, client: ClientShm | None,
+                   tensors: bool = True) -> None:
+        """``tensors``: the header holds tensor references (False: the payload is plain data)."""
         timeout_s, shm_results = submit_options(header)
         if not self._accepting:
             raise Rejected("EngineUnavailable", "the server is shutting down")
@@ -320,12 +374,15 @@ class Server:
                                          f"(--max-inflight {self._max_inflight}); retry later")
         if (identity, request_id) in self._requests:
             raise ProtocolError(f"request id {request_id!r} is already in flight on this connection"[:300])
-        resolver = TensorResolver(frames, request_tensor, client.view if client is not None else None)
-        payload = resolver.resolve(header["payload"])
-        resolver.finish()
-        req = Request(identity, request_id, timeout_s=timeout_s, client=client,
-                       shm_results=shm_results and client is not None,
-                       holds_inputs=bool(resolver.shm_blocks) and self._cancellable)
+        if tensors or frames:
+            resolver = TensorResolver(frames, request_tensor, client.view if client is not None else None)
+            payload = resolver.resolve(header["payload"])
+            resolver.finish()
+            holds_inputs = bool(resolver.shm_blocks) and self._cancellable
+        else:
+            payload, holds_inputs = header["payload"], False
+        req = Request(identity, request_id, None, timeout_s, client, shm_results and client is not None,
+                      holds_inputs)
         try:
             future = self._engine.submit(payload)
         except EngineUnavailableError as exc:
@@ -404,9 +461,27 @@ class Server:
     # -- completion (engine threads, then the I/O thread) -----------------------------
 
     def _on_done(self, req: Request, future: Future) -> None:
-        """Runs where the future completed: encode here, send from the I/O thread."""
-        self._requests.complete(req, outcome_of(req, future))
-        self._wake()
+        """Runs where the future completed: encode and send the reply here, unless a
+        deadline answered first (then the I/O thread finishes it)."""
+        outcome = outcome_of(req, future)
+        if not self._requests.claim_reply(req, outcome):
+            self._wake()
+            return
+        self._reply(req, outcome)
+        if not self._accepting:  # the I/O thread notices when the last one is done
+            self._wake()
+
+    def _reply(self, req: Request, outcome: Any) -> None:
+        """Send ``req``'s reply (any thread; the request has been claimed for it)."""
+        self._metrics.on_reply(outcome.error is None, outcome.error[0] if outcome.error else None,
+                               time.monotonic() - req.arrived)
+        if outcome.error is not None:
+            sent = self._reply_error(req.identity, "submit", req.id, *outcome.error)
+        else:
+            sent = self._send(req.identity, {"v": PROTOCOL_VERSION, "op": "submit", "id": req.id, "ok": True,
+                                             "result": outcome.result}, outcome.frames)
+        if not sent and outcome.blocks:
+            req.client.release(outcome.blocks, mapped=False)
 
     def _finish_completed(self) -> None:
         for req, outcome in self._requests.completed():
@@ -422,20 +497,11 @@ class Server:
                 if req.notify_inputs:
                     self._send(req.identity, {"v": PROTOCOL_VERSION, "op": "inputs_done", "id": req.id})
                 continue
-            req.replied = True
-            self._metrics.on_reply(outcome.error is None, outcome.error[0] if outcome.error else None,
-                                   time.monotonic() - req.arrived)
-            if outcome.error is not None:
-                sent = self._reply_error(req.identity, "submit", req.id, *outcome.error)
-            else:
-                sent = self._send(req.identity, {"v": PROTOCOL_VERSION, "op": "submit", "id": req.id, "ok": True,
-                                                 "result": outcome.result}, outcome.frames)
-            if not sent and outcome.blocks:
-                req.client.release(outcome.blocks, mapped=False)
+            req.replied = True  # (not reached: claim_reply sends every outcome that is neither late nor answered)
+            self._reply(req, outcome)
 
     def _expire_deadlines(self, now: float) -> None:
-        for req in self._requests.expired(now):  # neither answered nor done
-            req.replied = True
+        for req in self._requests.expired(now):  # neither answered nor done; marked replied
             self._metrics.on_reply(False, "DeadlineExceeded", now - req.arrived)
             cancelled = self._cancellable and req.future.cancel()
             req.notify_inputs = req.holds_inputs and not cancelled
@@ -456,7 +522,7 @@ class Server:
         self._rejected += 1
         log.debug("malformed message: %s", exc)
 
-    # -- sending (I/O thread only) ------------------------------------------------------
+    # -- sending (any thread) -------------------------------------------------------------
 
     def _reply_ok(self, identity: bytes, op: str, request_id: Any, result: Any) -> bool:
         return self._send(identity, {"v": PROTOCOL_VERSION, "op": op, "id": request_id, "ok": True, "result": result})
@@ -468,12 +534,29 @@ class Server:
 
     def _send(self, identity: bytes, header: dict[str, Any], frames: list[Any] = ()) -> bool:
         """Send without ever blocking; False if the peer is gone or does not read its replies."""
-        try:
-            self._router.send_multipart([identity, pack_header(header), *frames], zmq.NOBLOCK, copy=False)
-            return True
-        except zmq.Again:
-            log.debug("dropped a reply to %r: its queue is full", identity)
-        except zmq.ZMQError as exc:  # EHOSTUNREACH under ROUTER_MANDATORY: the peer left
-            log.debug("dropped a reply to %r: %s", identity, exc)
-        return False
+        data = pack_header(header)
+        sent = waiting = False
+        with self._sock_lock:
+            if not self._router_open:
+                return False
+            router = self._router
+            try:
+                router.send(identity, _NOBLOCK | _SNDMORE)  # EAGAIN or EHOSTUNREACH come here, or never
+                if frames:
+                    router.send(data, _NOBLOCK | _SNDMORE)
+                    router.send_multipart(frames, _NOBLOCK, copy=False)  # below 64 KiB pyzmq copies anyway
+                else:
+                    router.send(data, _NOBLOCK)
+                sent = True
+            except zmq.Again:
+                log.debug("dropped a reply to %r: its queue is full", identity)
+            except zmq.ZMQError as exc:  # EHOSTUNREACH under ROUTER_MANDATORY: the peer left
+                log.debug("dropped a reply to %r: %s", identity, exc)
+            waiting = router.getsockopt(_EVENTS) & _POLLIN
+        if waiting:  # this send took the signal of a message that came meanwhile: pass it on
+            if threading.get_ident() == self._io_thread_id:
+                self._recheck = True
+            else:
+                self._wake()
+        return sent
 

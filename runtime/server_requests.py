@@ -6,10 +6,14 @@ from the project; torch, for the request tensors.
     I/O thread                                  engine thread (the future's done callback)
     OP_FIELDS, submit_options(), ...: checks
     Request(identity, id, ...); engine.submit
-    InFlight.add(req): table, deadline heap
-    InFlight.expired(now): deadlines due        InFlight.complete(req, outcome_of(req, future)):
-    InFlight.completed()  <------ deque ------    the encoded result (frames, or blocks of the
-    send the reply                                client's result arena), or an error
+    InFlight.add(req): table, deadline heap     outcome_of(req, future): the encoded result
+                                                  (frames, or blocks of the client's result
+                                                  arena), or an error
+                                                InFlight.claim_reply(req, outcome): True ->
+                                                  the engine thread sends the reply itself
+    InFlight.expired(now): deadlines due        False (a deadline answered it, or it is late):
+    InFlight.completed()  <------ deque ------    the I/O thread takes it from here
+    send the reply
 
 Invariants: a request is in ``InFlight`` from the engine's acceptance until its
 outcome is back, answered already (by a deadline) or not: that is what
@@ -26,9 +30,9 @@ import collections
 import heapq
 import itertools
 import math
+import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
@@ -60,32 +64,46 @@ class Rejected(Exception):
         self.type = type
 
 
-@dataclass
 class Request:
-    identity: bytes
-    id: Any
-    future: Future | None = None
-    timeout_s: float | None = None
-    client: ClientShm | None = None
-    shm_results: bool = False
-    holds_inputs: bool = False  # the plugin may still read the client's shared memory
-    replied: bool = False
-    notify_inputs: bool = False  # tell the client when the engine lets go of its inputs
-    deadline: float | None = None  # monotonic; set when the engine takes the request
-    arrived: float = field(default_factory=time.monotonic)
+    """One submit the engine holds (a plain class with slots: one is made per request)."""
+
+    __slots__ = ("identity", "id", "future", "timeout_s", "client", "shm_results", "holds_inputs", "replied",
+                 "notify_inputs", "deadline", "arrived")
+
+    def __init__(self, identity: bytes, id: Any, future: Future | None = None, timeout_s: float | None = None,
+                 client: ClientShm | None = None, shm_results: bool = False, holds_inputs: bool = False,
+                 replied: bool = False, notify_inputs: bool = False, deadline: float | None = None,
+                 arrived: float | None = None) -> None:
+        self.identity = identity
+        self.id = id
+        self.future = future
+        self.timeout_s = timeout_s
+        self.client = client
+        self.shm_results = shm_results
+        self.holds_inputs = holds_inputs  # the plugin may still read the client's shared memory
+        self.replied = replied
+        self.notify_inputs = notify_inputs  # tell the client when the engine lets go of its inputs
+        self.deadline = deadline  # monotonic; set when the engine takes the request
+        self.arrived = time.monotonic() if arrived is None else arrived
 
     @property
     def key(self) -> tuple[bytes, Any]:
         return self.identity, self.id
 
 
-@dataclass
 class Outcome:
-    result: Any = None
-    frames: list[Any] = field(default_factory=list)
-    blocks: list[tuple[str, int]] = field(default_factory=list)
-    error: tuple[str, str] | None = None
-    late: bool = False  # completed after its deadline
+    """A request's reply: the result (``Packed``, with its frames or result blocks), or an error."""
+
+    __slots__ = ("result", "frames", "blocks", "error", "late")
+
+    def __init__(self, result: Any = None, frames: list[Any] | None = None,
+                 blocks: list[tuple[str, int]] | None = None, error: tuple[str, str] | None = None,
+                 late: bool = False) -> None:
+        self.result = result
+        self.frames = frames if frames is not None else []
+        self.blocks = blocks if blocks is not None else []
+        self.error = error
+        self.late = late  # completed after its deadline
 
 
 def no_frames(frames: list) -> None:
@@ -138,10 +156,14 @@ def request_tensor(buf: memoryview, name: str, shape: list[int]) -> torch.Tensor
 class InFlight:
     """The requests the engine holds for one server, by (identity, id), with their deadlines.
 
-    I/O thread only, except ``complete``, which the engine's threads call.
+    The table, ``Request.replied`` and each connection's request count change under
+    ``lock``: the I/O thread adds requests and answers deadlines, while the thread
+    that completes a request's future claims its reply (``claim_reply``) and sends
+    it at once. The deadline heap is the I/O thread's alone.
     """
 
     def __init__(self) -> None:
+        self.lock = threading.Lock()
         self._requests: dict[tuple[bytes, Any], Request] = {}
         self._deadlines: list[tuple[float, int, Request]] = []
         self._seq = itertools.count()
@@ -157,43 +179,66 @@ class InFlight:
         return self._requests.get(key)
 
     def add(self, req: Request) -> None:
-        """``req`` was taken by the engine; its future is set."""
-        self._requests[req.key] = req
-        if req.client is not None:
-            req.client.requests += 1
+        """``req`` was taken by the engine; its future is set (I/O thread)."""
         if req.timeout_s is not None:
             req.deadline = time.monotonic() + req.timeout_s
             heapq.heappush(self._deadlines, (req.deadline, next(self._seq), req))
+        with self.lock:
+            self._requests[req.key] = req
+            if req.client is not None:
+                req.client.requests += 1
 
     def next_deadline(self) -> float | None:
         return self._deadlines[0][0] if self._deadlines else None
 
-    def complete(self, req: Request, outcome: Outcome) -> None:
-        """Any thread: hand ``req``'s outcome to the I/O thread (the caller then wakes it).
+    def claim_reply(self, req: Request, outcome: Outcome) -> bool:
+        """Any thread, once ``req``'s outcome is known: True if the caller is to send it now.
 
-        An outcome that came after the request's deadline counts as expired, however
-        soon the I/O thread gets to it: the deadline is a promise, not a race.
+        Then ``req`` has left the table. Otherwise (a deadline answered it already, or
+        the outcome came after the deadline) the outcome waits in ``completed()`` for
+        the I/O thread (the caller then wakes it). An outcome that came after the
+        request's deadline counts as expired, however soon it would be sent: the
+        deadline is a promise, not a race.
         """
-        if req.deadline is not None and time.monotonic() > req.deadline and outcome.error is None:
-            outcome.late = True
-        self._completions.append((req, outcome))
+        with self.lock:
+            if req.deadline is not None and time.monotonic() > req.deadline and outcome.error is None:
+                outcome.late = True
+            if req.replied or outcome.late:
+                self._completions.append((req, outcome))
+                return False
+            req.replied = True
+            self._drop(req)
+            return True
+
+    def complete(self, req: Request, outcome: Outcome) -> None:
+        """Any thread: hand ``req``'s outcome to the I/O thread (the caller then wakes it)."""
+        with self.lock:
+            if req.deadline is not None and time.monotonic() > req.deadline and outcome.error is None:
+                outcome.late = True
+            self._completions.append((req, outcome))
 
     def completed(self) -> Iterator[tuple[Request, Outcome]]:
         """The outcomes handed over so far; each request leaves the table as it is yielded."""
         while self._completions:
-            req, outcome = self._completions.popleft()
-            self._requests.pop(req.key, None)
-            if req.client is not None:
-                req.client.requests -= 1
+            with self.lock:
+                req, outcome = self._completions.popleft()
+                self._drop(req)
             yield req, outcome
 
     def expired(self, now: float) -> Iterator[Request]:
-        """Requests whose deadline is due and that are neither answered nor done."""
+        """Requests whose deadline is due and that are neither answered nor done; each is
+        marked replied (its reply is the caller's to send)."""
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, req = heapq.heappop(self._deadlines)
-            if req.replied or req.future.done():
-                continue
+            with self.lock:
+                if req.replied or req.future.done():
+                    continue
+                req.replied = True
             yield req
+
+    def _drop(self, req: Request) -> None:
+        if self._requests.pop(req.key, None) is not None and req.client is not None:
+            req.client.requests -= 1
 
 
 def clip(text: str) -> str:
@@ -205,9 +250,11 @@ def outcome_of(req: Request, future: Future) -> Outcome:
     try:
         if future.cancelled():
             return Outcome(error=("Cancelled", "the request was cancelled while queued"))
-        if future.exception() is not None:
-            return Outcome(error=_error_of(future.exception()))
-        return _encode_result(req, future.result())
+        try:
+            result = future.result(0)  # done: one look at it, not three
+        except BaseException as exc:  # what the engine failed it with
+            return Outcome(error=_error_of(exc))
+        return _encode_result(req, result)
     except BaseException as exc:  # never let a callback lose a reply
         return Outcome(error=("PluginError", clip(f"the result could not be sent: {type(exc).__name__}: {exc}")))
 
@@ -217,7 +264,7 @@ def _encode_result(req: Request, result: Any) -> Outcome:
     encoder = PayloadEncoder(copy=False, place=client.place_result if client is not None else None,
                              shm_threshold=RESULT_SHM_THRESHOLD)
     try:
-        body = encoder.encode(result, "result")
+        body = encoder.pack(result, "result")
     except (TypeError, ValueError) as exc:
         if client is not None:
             client.release(encoder.blocks, mapped=False)

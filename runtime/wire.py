@@ -451,9 +451,11 @@ def unpack_message(
     return msg
 
 
-#: how a msgpack Timestamp (extension -1) starts: fixext 4, fixext 8, ext 8 of 12 bytes. Bytes
-#: like these inside a str or bin only cost the walk below, which then finds nothing.
-_TIMESTAMP_MARKS = re.compile(rb"\xd6\xff|\xd7\xff|\xc7\x0c\xff")
+#: how a msgpack Timestamp (extension -1) can start: fixext 4 or 8, or ext 8/16/32 of 4, 8 or 12
+#: bytes (msgpack decodes each). Bytes like these inside a str or bin only cost the walk
+#: below, which then finds nothing.
+_TIMESTAMP_MARKS = re.compile(rb"[\xd6\xd7]\xff|\xc7[\x04\x08\x0c]\xff|\xc8\x00[\x04\x08\x0c]\xff"
+                              rb"|\xc9\x00\x00\x00[\x04\x08\x0c]\xff")
 
 
 def _refuse_timestamps(value: Any, depth: int) -> None:

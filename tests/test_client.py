@@ -426,3 +426,278 @@ def test_a_silent_server_fails_in_flight_requests_after_the_heartbeat_timeout(tm
     finally:
         client.close()
         assert server.stop() == 0, server.log()
+
+
+# --------------------------------------------------------------------------- the reader: callers read the socket
+
+
+class _ReaderProbe:
+    """Wraps ``Client._poll`` (called only by the thread that holds the socket to read it):
+    counts how many threads are in it at once, and which threads read."""
+
+    def __init__(self, client: Client) -> None:
+        self._lock = threading.Lock()
+        self.inside = self.most = 0
+        self.readers: set[str] = set()
+        self._poll = client._poll
+        client._poll = self.poll
+
+    def poll(self, *args, **kwargs):
+        with self._lock:
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+            self.readers.add(threading.current_thread().name)
+        try:
+            return self._poll(*args, **kwargs)
+        finally:
+            with self._lock:
+                self.inside -= 1
+
+
+@pytest.mark.timeout(120)
+def test_callers_and_submitters_at_once_each_get_their_own_replies(client):
+    """Callers take turns reading the socket while other threads submit and ping: every reply
+    reaches the request it answers (none lost, none swapped), and one thread reads at a time."""
+    probe = _ReaderProbe(client)
+    errors: list[BaseException] = []
+    start = threading.Barrier(12)
+
+    def caller(worker: int) -> None:
+        try:
+            start.wait(10)
+            for i in range(60):
+                tag = f"c{worker}-{i}"
+                result = client.call({"tag": tag, "x": np.full(4, worker * 1000 + i, np.int64)}, timeout=30)
+                assert result["tag"] == tag and result["x"].tolist() == [worker * 1000 + i] * 4
+                if i % 20 == 0:
+                    assert client.ping(10) > 0
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def submitter(worker: int) -> None:
+        try:
+            start.wait(10)
+            futures = [(i, client.submit({"tag": f"s{worker}-{i}"})) for i in range(60)]
+            for i, future in futures:
+                assert future.result(30) == {"tag": f"s{worker}-{i}"}
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = ([threading.Thread(target=caller, args=(w,), name=f"caller-{w}") for w in range(8)]
+               + [threading.Thread(target=submitter, args=(w,), name=f"submitter-{w}") for w in range(4)])
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(100)
+    assert not errors, errors[:3]
+    assert probe.most == 1  # one reader at a time
+    assert any(name.startswith("caller-") for name in probe.readers)  # callers read themselves
+    assert client._pending == {} and client._reader is None
+
+
+@pytest.mark.timeout(60)
+def test_a_lone_caller_reads_its_own_reply(client):
+    """The round trip of a lone caller involves no other thread of this process."""
+    probe = _ReaderProbe(client)
+    client.call({"warm": 1}, timeout=30)
+    probe.readers.clear()
+    for i in range(20):
+        assert client.call({"i": i}, timeout=30) == {"i": i}
+    assert probe.readers <= {threading.current_thread().name, "phyrt-client"}  # the I/O thread: heartbeats
+    assert threading.current_thread().name in probe.readers
+
+
+@pytest.mark.timeout(60)
+def test_a_reading_caller_that_times_out_hands_over_to_the_others(client):
+    """The caller reading the socket gives up at its deadline; one waiting behind it still gets its reply."""
+    outcome: dict = {}
+
+    def slow() -> None:
+        try:
+            client.call({"sleep": 1.0}, timeout=0.3)
+        except DeadlineExceededError as exc:
+            outcome["slow"] = exc
+
+    thread = threading.Thread(target=slow)
+    thread.start()
+    time.sleep(0.05)  # it reads by now; this call queues behind the sleep on the inline engine
+    outcome["fast"] = client.call({"fast": 1}, timeout=30)
+    thread.join(10)
+    assert isinstance(outcome.get("slow"), DeadlineExceededError)
+    assert outcome["fast"] == {"fast": 1}
+
+
+@pytest.mark.timeout(60)
+def test_closing_the_client_fails_a_call_that_is_reading(echo):
+    client = Client(echo.address)
+    outcome: dict = {}
+
+    def call() -> None:
+        started = time.monotonic()
+        try:
+            client.call({"sleep": 1.5}, timeout=30)
+        except ConnectionLostError as exc:
+            outcome["error"] = exc
+        outcome["took"] = time.monotonic() - started
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    time.sleep(0.3)  # it reads the socket by now
+    client.close()
+    thread.join(10)
+    assert isinstance(outcome.get("error"), ConnectionLostError), outcome
+    assert outcome["took"] < 1.2  # failed at close, not when the reply came
+    assert not client._thread.is_alive()
+
+
+@pytest.mark.timeout(60)
+def test_done_callbacks_may_submit_from_the_thread_that_reads(client):
+    """A submit() future completed by a reading caller runs its callbacks on that caller's thread;
+    a callback that submits again neither blocks nor deadlocks, and its reply still comes."""
+    chained: list[int] = []
+    done = threading.Event()
+
+    def on_done(future) -> None:
+        n = future.result()["n"]
+        chained.append(n)
+        if n < 20:
+            client.submit({"n": n + 1}).add_done_callback(on_done)
+        else:
+            done.set()
+
+    client.submit({"n": 0}).add_done_callback(on_done)
+    for i in range(40):  # meanwhile this thread calls, and so often reads the chain's replies
+        assert client.call({"i": i}, timeout=30) == {"i": i}
+    assert done.wait(30)
+    assert sorted(chained) == list(range(21))
+
+
+# --------------------------------------------------------------------------- the wire's fast paths
+
+
+def _nested(levels: int) -> list:
+    value: list = [1]
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+_PAYLOADS = [
+    1, None, "text", b"\x00\xff", 2.5, True, [1, 2.5, "x"], (1, 2), {"a": 1},
+    {"task": "pick", "step": 3, "obs": [0.125 * i for i in range(8)], "done": False},
+    {"nested": {"deeper": [{"x": [1, [2, [3]]]}, (4, 5)]}, "empty": {}, "none": None},
+    {"np_scalars": [np.float32(1.5), np.int64(-3), np.bool_(True), np.uint8(7)], "f64": np.float64(0.1)},
+    {"buffers": [bytearray(b"ab"), memoryview(b"cd"), memoryview(np.arange(6, dtype=np.uint8))[::2]]},
+    {"array": np.arange(12, dtype=np.float32).reshape(3, 4), "list_of_arrays": [np.ones(2, np.int16)] * 2},
+    {"big": np.zeros(100_000, np.uint8), "small": np.ones(3)},  # shared memory when a place is given
+    {"ordered": __import__("collections").OrderedDict(a=1), "ext": __import__("msgpack").ExtType(1, b"")},
+    {"deep": _nested(30)},  # near MAX_DEPTH: the slow path counts the levels
+]
+
+
+@pytest.mark.parametrize("payload", _PAYLOADS, ids=range(len(_PAYLOADS)))
+def test_the_packing_fast_path_gives_the_slow_paths_bytes(payload):
+    import msgpack
+
+    from runtime.protocol import PayloadEncoder
+
+    def place(nbytes):
+        return "phyrt-0123456789abcdef-1-0", 64 * len(blocks), memoryview(bytearray(nbytes))
+
+    blocks: list = []
+    fast, slow = PayloadEncoder(copy=False, place=place, shm_threshold=1000), PayloadEncoder(copy=True, place=place,
+                                                                                              shm_threshold=1000)
+    packed = fast.pack(payload)
+    assert packed.data == msgpack.packb(slow.encode(payload), use_bin_type=True)
+    assert [bytes(f) for f in fast.frames] == [bytes(f) for f in slow.frames]
+    assert fast.blocks == slow.blocks
+
+
+@pytest.mark.parametrize("payload, error, match", [
+    ({1: 2}, TypeError, "payload: map keys must be str"),
+    ({"x": {"y": object()}}, TypeError, r"payload.x.y: cannot send a object"),
+    ({"x": [set()]}, TypeError, r"payload.x\[0\]: cannot send a set"),
+    ({"x": np.zeros(2, np.complex64)}, TypeError, "cannot be sent"),
+    ({"x": _nested(40)}, ValueError, "nested deeper"),
+    ({"x": 2**70}, OverflowError, "out of range"),
+])
+def test_the_packing_fast_path_refuses_what_the_slow_path_refuses(payload, error, match):
+    from runtime.protocol import PayloadEncoder
+
+    with pytest.raises(error, match=match):
+        PayloadEncoder(copy=False).pack(payload)
+
+
+def test_a_header_with_a_packed_payload_is_the_plain_header():
+    import msgpack
+
+    from runtime.client import _submit_header
+    from runtime.protocol import PayloadEncoder, pack_header
+
+    payload = {"obs": [1.5, 2.5], "task": "t"}
+    packed = PayloadEncoder(copy=False).pack(payload)
+    for header in ({"v": 1, "op": "submit", "id": 7, "payload": packed},
+                   {"v": 1, "op": "submit", "id": 2**40, "ok": True, "result": packed, "inputs_held": True}):
+        plain = {k: (payload if v is packed else v) for k, v in header.items()}
+        assert msgpack.unpackb(pack_header(header)) == plain
+    for timeout, shm in ((None, False), (0.5, True), (3, False)):
+        plain = {"v": 1, "op": "submit", "id": 9, "payload": payload}
+        if timeout is not None:
+            plain["timeout_s"] = float(timeout)
+        if shm:
+            plain["shm_results"] = True
+        assert msgpack.unpackb(_submit_header(9, timeout, shm, packed.data)) == plain
+
+
+@pytest.mark.parametrize("raw, match", [
+    # a msgpack Timestamp (extension -1) in each encoding msgpack accepts, not only the canonical ones
+    (b"\x82\xa1v\x01\xa1t\xd6\xff\x00\x00\x00\x01", "Timestamp|timestamps"),
+    (b"\x82\xa1v\x01\xa1t\xd7\xff" + bytes(8), "Timestamp|timestamps"),
+    (b"\x82\xa1v\x01\xa1t\xc7\x0c\xff" + bytes(12), "Timestamp|timestamps"),
+    (b"\x82\xa1v\x01\xa1t\xc7\x04\xff\x00\x00\x00\x01", "Timestamp|timestamps"),
+    (b"\x82\xa1v\x01\xa1t\xc8\x00\x08\xff" + bytes(8), "Timestamp|timestamps"),
+    (b"\x82\xa1v\x01\xa1t\xc9\x00\x00\x00\x04\xff\x00\x00\x00\x01", "Timestamp|timestamps"),
+    (b"\x82\xa1v\x01\xa1t\x91\xc7\x04\xff\x00\x00\x00\x01", "Timestamp|timestamps"),  # inside a list
+    (b"\x83\xa1v\x01\xa1k\x01\xa1k\x02", "duplicate"),  # duplicate keys
+    (b"\x82\xa1v\x01\xc4\x01k\x01", "map keys must be str"),  # a bin (bytes) key
+    (b"\x82\xa1v\x01\x01\x02", "malformed|not allowed"),  # an int key
+])
+def test_header_decoding_refuses_what_the_protocol_forbids(raw, match):
+    from runtime.errors import ProtocolError
+    from runtime.protocol import unpack_header
+
+    with pytest.raises(ProtocolError, match=match):
+        unpack_header(raw, 1 << 20)
+    with pytest.raises(ProtocolError, match=match):  # the same as a zmq frame's buffer (the slow path)
+        unpack_header(memoryview(bytearray(raw + bytes(5000)))[:len(raw)], 1 << 20)
+
+
+def test_header_decoding_fast_and_slow_paths_agree():
+    import msgpack
+
+    from runtime.protocol import _Ext, unpack_header
+
+    payload = {"a": [1, 2.5, "x", b"\xff\xd6"], "t": msgpack.ExtType(1, b"\x93\xa5uint8\x91\x02\x00")}
+    header = {"v": 1, "op": "submit", "id": 3, "payload": payload}
+    raw = msgpack.packb(header, use_bin_type=True)
+    refs: list = []
+    fast = unpack_header(raw, 1 << 20, refs)
+    slow = unpack_header(memoryview(bytearray(raw + bytes(5000)))[:len(raw)], 1 << 20)
+    assert fast == slow and len(refs) == 1 and isinstance(refs[0], _Ext)
+    assert fast["payload"]["a"] == [1, 2.5, "x", b"\xff\xd6"]  # bytes that look like a Timestamp mark
+
+
+@pytest.mark.timeout(60)
+def test_submit_snapshots_tensor_frames_that_a_reader_sends_later(client):
+    """While another thread reads (and so holds the socket), submit() cannot send at once: it
+    queues a snapshot, so changing the array after submit returns changes nothing sent."""
+    reader = threading.Thread(target=client.call, args=({"sleep": 0.6},), kwargs={"timeout": 30})
+    reader.start()
+    assert wait_until(lambda: client._polling, 5)  # the reader sleeps in poll, holding the socket
+    arrays = [np.arange(1000, dtype=np.int32) + i for i in range(5)]  # 4 KB: frames, not shared memory
+    futures = [client.submit({"x": a}) for a in arrays]
+    for a in arrays:
+        a[:] = -1
+    for i, future in enumerate(futures):
+        assert future.result(30)["x"].tolist() == list(range(i, 1000 + i))
+    reader.join(30)

@@ -366,3 +366,95 @@ def test_sigterm_stops_the_server_and_leaves_nothing(server):
         code = server.stop(signal.SIGTERM)  # checks processes, segments and the socket file
     assert code == 0, server.log()
     assert "ERROR phyrt" not in server.log()  # no replica failed, no server bug was logged
+
+
+# --------------------------------------------------------------------------- an inline server in this process
+
+
+@pytest.fixture
+def inline_server(tmp_path, monkeypatch):
+    """A ``Server`` over an inline ``tests.plugins:Echo`` engine, in this process, with every
+    reply it sends recorded as (thread name, header)."""
+    import runtime.server as server_module
+    from runtime import Engine, EngineArgs
+    from runtime.server import Server
+
+    # a message left unread would wait for the next housekeeping: make that wait unmissable
+    monkeypatch.setattr(server_module, "_HOUSEKEEPING_S", 30.0)
+    private = tmp_path / "run"
+    private.mkdir(mode=0o700)
+    server = Server(Engine(EngineArgs(plugin="tests.plugins:Echo")), f"ipc://{private}/s.sock")
+    sent: list[tuple[str, dict]] = []
+    send = server._send
+
+    def recording_send(identity, header, frames=()):
+        sent.append((threading.current_thread().name, dict(header)))
+        return send(identity, header, frames)
+
+    server._send = recording_send
+    server.sent = sent
+    server.start()
+    yield server
+    server.close(5)
+
+
+@pytest.mark.timeout(60)
+def test_an_inline_engine_thread_sends_its_replies_itself(inline_server):
+    """No hop back to the I/O thread: the thread that completes a request sends its reply."""
+    with Client(inline_server.address) as client:
+        for i in range(10):
+            assert client.call({"i": i}, timeout=30) == {"i": i}
+        assert client.ping(10) > 0
+    submits = [name for name, header in inline_server.sent if header.get("op") == "submit"]
+    assert submits == ["phyrt-inline-0"] * 10
+    assert {name for name, header in inline_server.sent if header.get("op") == "ping"} == {"phyrt-server"}
+
+
+@pytest.mark.timeout(120)
+def test_no_message_is_stranded_while_engine_threads_send(inline_server):
+    """Replies sent by the engine thread race new messages for the socket's edge-triggered
+    descriptor; none may be left unread (it would wait 30 s for housekeeping here)."""
+    errors: list[BaseException] = []
+
+    def pipeline(worker: int) -> None:
+        try:
+            with Client(inline_server.address) as client:
+                for batch in range(10):
+                    futures = [client.submit({"w": worker, "n": n}) for n in range(40)]
+                    for n, future in enumerate(futures):
+                        assert future.result(10) == {"w": worker, "n": n}
+                for i in range(100):
+                    assert client.call({"w": worker, "i": i}, timeout=10) == {"w": worker, "i": i}
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=pipeline, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(100)
+    assert not errors, errors[:3]
+    assert time.monotonic() - started < 25  # no stall of a housekeeping period
+    assert wait_until(lambda: len(inline_server._requests) == 0, 5)
+
+
+@pytest.mark.timeout(120)
+def test_a_deadline_racing_a_completion_answers_once(inline_server):
+    """The engine thread's reply and the I/O thread's deadline race; each request gets one reply."""
+    outcomes = []
+    with Client(inline_server.address) as client:
+        futures = [client.submit({"i": i, "sleep": 0.02}, timeout=0.02 + 0.002 * (i % 10)) for i in range(60)]
+        for future in futures:
+            try:
+                outcomes.append(future.result(30))
+            except DeadlineExceededError as exc:
+                outcomes.append(exc)
+        assert client.call({"after": 1}, timeout=30) == {"after": 1}
+    replies: dict = {}
+    for _, header in inline_server.sent:
+        if header.get("op") == "submit":
+            replies[header["id"]] = replies.get(header["id"], 0) + 1
+    assert sorted(replies.values()) == [1] * len(replies) and len(replies) == 61
+    assert any(isinstance(o, DeadlineExceededError) for o in outcomes)
+    assert wait_until(lambda: len(inline_server._requests) == 0, 5)

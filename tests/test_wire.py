@@ -637,6 +637,15 @@ def test_a_msgpack_timestamp_anywhere_is_refused(stamp):
             wire.unpack_message(data)
 
 
+@pytest.mark.parametrize("head", [b"\xc7\x04\xff", b"\xc8\x00\x04\xff", b"\xc9\x00\x00\x00\x04\xff"])
+def test_a_timestamp_in_a_longer_ext_encoding_is_refused(head):
+    """msgpack also reads ext 8/16/32 headers of 4 bytes with type -1 as a Timestamp."""
+    data = msgpack.packb({"v": wire.PROTOCOL_VERSION, "type": "submit", "id": 1, "t": 0})[:-1] + head + b"\0\0\0\1"
+    assert type(msgpack.unpackb(data)["t"]) is msgpack.Timestamp  # what the decoder must not let through
+    with pytest.raises(ProtocolError, match="Timestamp"):
+        wire.unpack_message(data)
+
+
 def test_timestamp_like_bytes_inside_a_string_are_harmless():
     data = msgpack.packb({"v": wire.PROTOCOL_VERSION, "type": "submit", "id": 1, "s": "\xd6\xff", "b": b"\xd7\xff"})
     assert wire.unpack_message(data)["b"] == b"\xd7\xff"
