@@ -186,7 +186,7 @@ class PhyrtPath:
 
 
 class PingPath:
-    """``Client.ping()``: both I/O threads and the wire, no engine (where the time goes)."""
+    """``Client.ping()``: the client, the wire and the server's I/O thread, no engine (where the time goes)."""
 
     def __init__(self, label: str, client: Client) -> None:
         self.label = label
@@ -574,7 +574,7 @@ def run(args: argparse.Namespace, progress: Progress, workdir: str, logdir: str,
     phyrt_tcp = PhyrtPath("phyrt Client tcp://127.0.0.1 (frames)", tcp.address)
     stack.callback(phyrt_tcp.close)
 
-    ping = PingPath("phyrt Client.ping() ipc:// (no engine: I/O threads and wire only)", phyrt_shm.client)
+    ping = PingPath("phyrt Client.ping() ipc:// (no engine: the server's I/O thread and the wire)", phyrt_shm.client)
     small_paths = [floor, phyrt_shm, ping, phyrt_tcp, pickled_ipc]
     for path in small_paths:
         path.call(SMALL_REQUEST)
