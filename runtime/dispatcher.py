@@ -39,6 +39,14 @@ class RequestDispatcher:
         with self._lock:
             if self._closed:
                 raise EngineUnavailableError("the engine is closed")
+            if len(self._executors) == 1:  # the common inline case, without the choice's bookkeeping
+                executor = self._executors[0]
+                if executor.healthy:
+                    try:
+                        return executor.submit(request)
+                    except EngineUnavailableError:
+                        pass
+                raise EngineUnavailableError(self._none_healthy())
             tried: set[int] = set()
             while True:
                 executor = self._choose(tried)

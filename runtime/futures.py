@@ -15,9 +15,7 @@ from typing import Any
 
 def resolve(future: Future, result: Any = None, error: BaseException | None = None) -> None:
     """Complete ``future`` unless something already did (never twice, never raising)."""
-    if future.done():
-        return
-    try:
+    try:  # a completed or cancelled future raises InvalidStateError: no done() first, a lock round less
         if error is None:
             future.set_result(result)
         else:

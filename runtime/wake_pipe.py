@@ -1,4 +1,4 @@
-"""A self-pipe that wakes a thread blocked in ``zmq.Poller.poll`` from any other thread.
+"""A self-pipe that wakes a thread blocked in ``poll`` (``zmq.Poller`` or ``select.poll``) from any other thread.
 
 Leaf module: standard library only.
 

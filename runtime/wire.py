@@ -433,7 +433,9 @@ def unpack_message(
         raise ProtocolError(f"malformed message: {type(exc).__name__}: {exc}") from exc
     if type(msg) is not dict:
         raise ProtocolError(f"a message must be a msgpack map, got {type(msg).__name__}")
-    if _TIMESTAMP_MARKS.search(data) is not None:  # msgpack decodes ext -1 without ext_hook
+    # msgpack decodes ext -1 without ext_hook; a memchr for its type byte first (bytes only:
+    # ``in`` would iterate a memoryview in Python)
+    if (type(data) is memoryview or 0xFF in data) and _TIMESTAMP_MARKS.search(data) is not None:
         _refuse_timestamps(msg, 0)
     if "v" not in msg or "type" not in msg or "id" not in msg:
         raise ProtocolError(f"message lacks the header keys {sorted(_RESERVED - msg.keys())}")

@@ -52,13 +52,17 @@ class ReapedProcess:
         pass
 
 
-@dataclass
 class PendingRequest:
-    future: Future
-    deadline: float | None
-    ranks_done: set[int] = field(default_factory=set)
-    segments: set[str] = field(default_factory=set)
-    blocks: list[tuple[str, int]] = field(default_factory=list)
+    """A request sent to every rank of a group: its future, its deadline (monotonic, or
+    None), the ranks that answered, and the request arena's blocks it placed."""
+
+    __slots__ = ("future", "deadline", "ranks_done", "blocks")
+
+    def __init__(self, future: Future, deadline: float | None, blocks: list[tuple[str, int]]) -> None:
+        self.future = future
+        self.deadline = deadline
+        self.ranks_done: set[int] = set()
+        self.blocks = blocks
 
 
 @dataclass
@@ -71,11 +75,15 @@ class GroupState:
     failed: str | None = None
     frees: collections.deque = field(default_factory=collections.deque)
     inboxes: list = field(default_factory=list)  # one PUSH per rank, used under _submit_lock
+    # idle (LockedArena, wire.TensorEncoder) pairs for submits to reuse (list.pop and append are atomic)
+    encoders: list = field(default_factory=list)
     # (the request arena is closed, its names unlinked, as soon as the group fails)
 
 
 class LockedArena:
-    """The allocator wire.pack_message sees: thread-safe, and remembers what it placed."""
+    """The allocator wire.pack_message sees: thread-safe, and remembers what it placed
+    (the submit takes that list after each message: a pair of these and its encoder is
+    reused, one submit at a time)."""
 
     def __init__(self, group: GroupState) -> None:
         self._group = group
@@ -105,6 +113,9 @@ class ResultMapper:
         return memoryview(holder)
 
 
-def allocator_free(allocator: LockedArena) -> None:
-    for segment, offset in allocator.placed:
-        allocator.free(segment, offset)
+def free_blocks(group: GroupState, blocks: list[tuple[str, int]]) -> None:
+    """Give back the request arena's blocks of a message that was never sent."""
+    if blocks:
+        with group.arena_lock:
+            for segment, offset in blocks:
+                group.arena.free(segment, offset)

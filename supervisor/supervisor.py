@@ -20,9 +20,17 @@ Invariants:
   arrive first. Its clock starts at submission; deadlines are checked at least
   every ``heartbeat_interval_s`` and at each request's own deadline.
 - A request goes to every rank or to none: a rank's inbox PUSH without a peer
-  (its rank died; libzmq dropped the connection) would block, so a submit first
-  checks that every inbox can take it (POLLOUT) and sends with NOBLOCK; a rank
-  found unreachable fails the group from the caller, blamed on its exit status.
+  (its rank died; libzmq dropped the connection) would block, so a submit to
+  several ranks first checks that every inbox can take it (POLLOUT), and every
+  submit sends with NOBLOCK (one inbox needs no check: its send goes out or
+  raises); a rank found unreachable fails the group from the caller, blamed on
+  its exit status.
+- The I/O thread takes one ROUTER message per poll (the poll is level-triggered;
+  after an output rank's answer, also the other ranks' answers already queued)
+  and completes the futures of the answers it took last in that loop iteration,
+  after the bookkeeping, so that a woken caller does not wait for the GIL; any
+  failure of a group first completes the answers already taken, as if each had
+  been completed on arrival.
 - Any failure of a group (a rank exited, no heartbeat, a malformed message, a
   plugin exception, an execution timeout) fails the whole group exactly once:
   its executor leaves the rotation, its request arena is closed (names unlinked),
@@ -68,7 +76,7 @@ from runtime.errors import EngineUnavailableError, ProtocolError, RemoteError, W
 from runtime.futures import resolve
 from runtime.shm import ShmArena, ShmMapper, new_run_id, sweep_creators, sweep_run, sweep_stale
 from supervisor.groups import (GroupState, LockedArena, PendingRequest, RankState, ReapedProcess, ResultMapper,
-                              allocator_free)
+                              free_blocks)
 from supervisor.processes import TERM_GRACE_S, SpawnThread, check_port_free, describe_exit, stop_ranks, sweep_run_dirs
 
 log = logging.getLogger("phyrt.supervisor")
@@ -81,6 +89,9 @@ _WORKER_TYPES = frozenset({"ready", "startup_error", "done"})
 INBOX_GRACE_S = 2.0
 #: how long a rank's error that reads like a lost peer waits for a peer's death to show
 PEER_DEATH_GRACE_S = 0.2
+# plain ints: ``getsockopt(EVENTS) & zmq.POLLOUT`` would build an enum member on every call
+_POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
+_NOBLOCK = int(zmq.NOBLOCK)
 _PEER_LOSS = re.compile(r"connection (?:reset|closed|refused|aborted)|by peer|broken pipe|econnreset|epipe"
                         r"|remote process|gloo|nccl|socket|timed? ?out", re.IGNORECASE)
 
@@ -112,6 +123,14 @@ class WorkerSupervisor:
         self._mapper = ShmMapper(self.run_id)
         self._unlinked: set[str] = set()  # result segments whose names are already gone
         self._wake_at = 0.0  # when the I/O thread next wakes by itself (monotonic)
+        # I/O thread only: results to hand to their futures once this loop iteration's
+        # bookkeeping is done, just before it polls (see _io_loop)
+        self._ready: list[tuple[Future, Any]] = []
+        self._finished: list[tuple[GroupState, PendingRequest]] = []  # every rank answered
+        self._io_ident: int | None = None
+        self._others_due = False  # the last message taken was an answer that others' answers follow
+        # identity -> (heartbeat?, group, rank) for every rank's two DEALERs
+        self._peers: dict[bytes, tuple[bool, GroupState, RankState]] = {}
         self._ctx = zmq.Context(1)
         self._groups: list[GroupState] = []
         # ranks die with the thread that forked them (PR_SET_PDEATHSIG): one that outlives them
@@ -184,7 +203,10 @@ class WorkerSupervisor:
                 self._spawner.call(process.start)
                 decoder = wire.TensorDecoder(mapper=ResultMapper(self._mapper, group, rank),
                                              allow_cuda_ipc=self._cuda)
-                group.ranks.append(RankState(replica, rank, device, process, decoder=decoder))
+                state = RankState(replica, rank, device, process, decoder=decoder)
+                group.ranks.append(state)
+                self._peers[f"c-{replica}-{rank}".encode()] = (False, group, state)
+                self._peers[f"h-{replica}-{rank}".encode()] = (True, group, state)
 
     def _wait_ready(self) -> None:
         if not self._startup.wait(self.config.startup_timeout_s + 5.0):
@@ -199,45 +221,62 @@ class WorkerSupervisor:
         if group.failed is not None:
             raise EngineUnavailableError(f"replica {replica} is not serving: {group.failed}")
         request_id = next(self._ids)
-        allocator = LockedArena(group)
+        try:  # an idle encoder of this group; each concurrent caller makes one the first time
+            allocator, encoder = group.encoders.pop()
+        except IndexError:
+            allocator = LockedArena(group)
+            encoder = wire.TensorEncoder(allocator=allocator)
         try:
-            payload = wire.pack_message("request", request_id, payload=request,
-                                        tensor_encoder=wire.TensorEncoder(allocator=allocator))
+            payload = wire.pack_message("request", request_id, payload=request, tensor_encoder=encoder)
         except Exception:
             if group.failed is None:
                 raise
             # the group failed meanwhile and its arena is closed (pack_message freed what it placed)
             raise EngineUnavailableError(f"replica {replica} is not serving: {group.failed}") from None
+        finally:
+            placed, allocator.placed = allocator.placed, []
+            group.encoders.append((allocator, encoder))
         timeout = self.config.execution_timeout_s
-        pending = PendingRequest(future, None if timeout is None else time.monotonic() + timeout,
-                           segments={s for s, _ in allocator.placed}, blocks=allocator.placed)
-        give_up = time.monotonic() + INBOX_GRACE_S
+        pending = PendingRequest(future, None if timeout is None else time.monotonic() + timeout, placed)
+        inboxes = group.inboxes
+        give_up = None
         while True:
             with self._submit_lock:
                 if self._closed or group.failed is not None:
-                    allocator_free(allocator)
+                    free_blocks(group, placed)
                     raise EngineUnavailableError(f"replica {replica} is not serving: {group.failed or 'closed'}")
-                # all or nothing: a PUSH without a peer blocks (or, NOBLOCK, raises zmq.Again)
-                unreachable = [i for i, inbox in enumerate(group.inboxes)
-                               if not inbox.getsockopt(zmq.EVENTS) & zmq.POLLOUT]
+                # all or nothing: a PUSH without a peer blocks (or, NOBLOCK, raises zmq.Again); a
+                # single inbox needs no check, as its NOBLOCK send goes out whole or not at all
+                if len(inboxes) == 1:
+                    unreachable = []
+                else:
+                    unreachable = [i for i, inbox in enumerate(inboxes)
+                                   if not inbox.getsockopt(zmq.EVENTS) & _POLLOUT]
                 if not unreachable:
                     group.pending[request_id] = pending
-                    for i, inbox in enumerate(group.inboxes):
+                    for i, inbox in enumerate(inboxes):
                         try:
-                            inbox.send(payload, copy=False, flags=zmq.NOBLOCK)
-                        except zmq.Again:  # its peer went since the check: the rank just died
+                            inbox.send(payload, _NOBLOCK, copy=False)
+                        except zmq.Again:  # its peer went (since the check): the rank just died
                             unreachable = [i]
                             break
                     else:
                         if pending.deadline is not None and pending.deadline < self._wake_at:
                             self._push.send(b"wake")  # the I/O thread plans to sleep past this deadline
                         return
-                    # sent to some ranks only: the group fails below, and with it this request
-                    # (still pending, so that a surviving rank's answer is not "unknown")
-                    sent = True
+                    if len(inboxes) == 1:
+                        # nothing went out: as if the check had found the inbox unreachable
+                        del group.pending[request_id]
+                        sent = False
+                    else:
+                        # sent to some ranks only: the group fails below, and with it this request
+                        # (still pending, so that a surviving rank's answer is not "unknown")
+                        sent = True
                 else:
                     sent = False
             # outside the lock: the I/O thread may need it to fail this group meanwhile
+            if give_up is None:
+                give_up = time.monotonic() + INBOX_GRACE_S
             wait_s = max(0.0, give_up - time.monotonic())
             # sent to some: a peer was dropped, its rank is dying; else it may still be connecting
             reason = self._dead_rank([group.ranks[i] for i in unreachable], wait_s if sent else min(wait_s, 0.05))
@@ -249,15 +288,19 @@ class WorkerSupervisor:
             self._fail_group(group, reason, defer=True)
             if sent:
                 return  # the future is pending in the failed group: the reaper fails it
-            allocator_free(allocator)
+            free_blocks(group, placed)
             raise EngineUnavailableError(f"replica {replica} is not serving: {group.failed or reason}")
 
     # -- the I/O thread ------------------------------------------------------------
 
     def _io_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._pull, zmq.POLLIN)
+        # One iteration: poll; one ROUTER message (the poll is level-triggered: the next one
+        # returns at once while more are queued), wake-ups, exited ranks; then the bookkeeping;
+        # the futures of the results that came in are completed last, so that a caller woken
+        # by one finds this thread about to release the GIL in the next poll.
+        self._io_ident = threading.get_ident()
+        router, pull = self._router, self._pull
+        poll_items: list[tuple[Any, int]] = [(router, _POLLIN), (pull, _POLLIN)]  # for zmq.zmq_poll
         sentinels: dict[int, RankState] = {}
         started = time.monotonic()
         next_check = started
@@ -267,71 +310,100 @@ class WorkerSupervisor:
                 for r in group.ranks:
                     fd = os.dup(r.process.sentinel)
                     sentinels[fd] = r
-                    poller.register(fd, zmq.POLLIN)
+                    poll_items.append((fd, _POLLIN))
             while True:
                 now = time.monotonic()
                 if now >= next_check:
                     self._check_deadlines(started)
                     next_check = now + self.config.heartbeat_interval_s / 2
                     self._wake_at = min(next_check, self._next_deadline())
-                events = dict(poller.poll(max(0, int((self._wake_at - now) * 1000) + 1)))
-                if self._router in events:
-                    self._drain_router()
-                if self._pull in events:
-                    if not self._drain_inbox():
-                        return
-                    next_check = 0.0  # woken for an earlier deadline: plan again
-                if len(events) > (self._router in events) + (self._pull in events):
-                    for fd in [fd for fd in events if fd in sentinels]:
-                        r = sentinels.pop(fd)
-                        poller.unregister(fd)
-                        os.close(fd)
+                for item, _ in zmq.zmq_poll(poll_items, max(0, int((self._wake_at - now) * 1000) + 1)):
+                    if item is router:
+                        self._recv_router()
+                        # the output rank answered before the others: take their answers that are
+                        # in already first, rather than while the woken caller waits for the GIL
+                        while self._others_due and router.getsockopt(zmq.EVENTS) & _POLLIN:
+                            self._recv_router()
+                    elif item is pull:
+                        if not self._drain_inbox():
+                            return
+                        next_check = 0.0  # woken for an earlier deadline: plan again
+                    else:
+                        r = sentinels.pop(item)
+                        poll_items.remove((item, _POLLIN))
+                        os.close(item)
                         self._rank_exited(r)
                 if time.monotonic() >= self._wake_at:
                     next_check = 0.0  # a request deadline is due: check now
                 self._send_frees()
+                if self._ready or self._finished:
+                    self._resolve_ready()
         except BaseException as exc:  # a bug here must not leave callers waiting forever
             log.exception("supervisor I/O thread failed")
             for group in self._groups:
                 self._fail_group(group, f"the supervisor's I/O thread failed: {exc!r}")
             self._finish_startup(WorkerStartupError(f"the supervisor's I/O thread failed: {exc!r}"))
         finally:
+            self._resolve_ready()  # answers that came in before a close
             for fd in sentinels:
                 os.close(fd)
+
+    def _resolve_ready(self) -> None:
+        """Complete the futures of the answers taken, then free the blocks of the requests
+        that every rank answered."""
+        ready, self._ready = self._ready, []
+        for future, result in ready:
+            resolve(future, result=result)
+        finished, self._finished = self._finished, []
+        for group, pending in finished:
+            # taken even when the request placed nothing: uncontended it costs next to nothing
+            # (and test_kill_matrix stalls this thread through it, to open a race on purpose)
+            with group.arena_lock:
+                if pending.blocks:
+                    for segment, offset in pending.blocks:
+                        group.arena.free(segment, offset)
+                    for segment in {s for s, _ in pending.blocks} & set(group.arena.segments):
+                        group.arena.unlink(segment)  # every rank has mapped it by now
 
     def _next_deadline(self) -> float:
         deadlines = [p.deadline for g in self._groups if g.failed is None
                      for p in list(g.pending.values()) if p.deadline is not None]
         return min(deadlines, default=float("inf"))
 
-    def _drain_router(self) -> None:
-        # EVENTS instead of NOBLOCK + zmq.Again: raising costs more than a message
-        while self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            frames = self._router.recv_multipart(copy=False)
-            identity = frames[0]
-            kind, replica, rank = _parse_identity(identity.bytes)
-            if replica is None or replica >= len(self._groups) or rank >= len(self._groups[replica].ranks):
-                log.warning("message from an unknown peer %r dropped", identity.bytes)
-                continue
-            group = self._groups[replica]
-            r = group.ranks[rank]
-            r.last_beat = time.monotonic()
-            if group.failed is not None:
-                continue
-            if len(frames) != 2:
-                self._fail_group(group, f"rank {rank} sent a malformed message: {len(frames) - 1} frames, not 1")
-                continue
-            if kind == "h":
-                continue
-            try:
-                msg = wire.unpack_message(frames[1].buffer, expected_types=_WORKER_TYPES,
-                                          tensor_decoder=r.decoder)
+    def _recv_router(self) -> None:
+        """Take one message off the ROUTER (there is one: the poll said so)."""
+        router = self._router
+        self._others_due = False
+        identity = router.recv()  # a ROUTER puts the sender's identity first, always
+        payload = last = router.recv(copy=False)  # a Frame knows whether more follow
+        count = 1
+        while last.more:  # the rest of a malformed message
+            last = router.recv(copy=False)
+            count += 1
+        peer = self._peers.get(identity)
+        if peer is None:
+            log.warning("message from an unknown peer %r dropped", identity)
+            return
+        heartbeat, group, r = peer
+        r.last_beat = time.monotonic()
+        if group.failed is not None:
+            return
+        if count != 1:
+            self._fail_group(group, f"rank {r.rank} sent a malformed message: {count} frames, not 1")
+            return
+        if heartbeat:
+            return
+        try:
+            msg = wire.unpack_message(payload.buffer, expected_types=_WORKER_TYPES, tensor_decoder=r.decoder)
+            if msg["type"] == "done":  # the common case, a call less
+                self._request_done(group, r, msg)
+            else:
                 self._handle(group, r, msg)
-            except (ProtocolError, TypeError, ValueError, KeyError, AttributeError) as exc:
-                # well-formed msgpack with fields of the wrong shape is just as malformed
-                self._fail_group(group, f"rank {rank} sent a malformed message: {type(exc).__name__}: {exc}", exc)
-            if len(self._mapper.segments) != len(self._unlinked):
-                self._unlink_mapped()
+        except (ProtocolError, TypeError, ValueError, KeyError, AttributeError) as exc:
+            # well-formed msgpack with fields of the wrong shape is just as malformed
+            self._fail_group(group, f"rank {r.rank} sent a malformed message: {type(exc).__name__}: {exc}", exc)
+        if len(self._mapper.segments) != len(self._unlinked):
+            self._unlink_mapped()
 
     def _handle(self, group: GroupState, r: RankState, msg: dict[str, Any]) -> None:
         kind = msg["type"]
@@ -374,15 +446,14 @@ class WorkerSupervisor:
                 self._fail_group(group, raised, cause)
             return
         if r.rank == 0:
-            resolve(pending.future, result=msg.get("result"))
+            # completed at the end of this loop iteration, before anything fails this group
+            self._ready.append((pending.future, msg.get("result")))
         pending.ranks_done.add(r.rank)
         if len(pending.ranks_done) == len(group.ranks):
             del group.pending[msg["id"]]
-            with group.arena_lock:
-                for segment, offset in pending.blocks:
-                    group.arena.free(segment, offset)
-                for segment in pending.segments & set(group.arena.segments):
-                    group.arena.unlink(segment)  # every rank has mapped it by now
+            self._finished.append((group, pending))  # its blocks go back right after that
+        else:
+            self._others_due = 0 in pending.ranks_done  # its caller is about to be woken
 
     def _drain_inbox(self) -> bool:
         """Consume wake-ups; False when asked to close."""
@@ -471,6 +542,8 @@ class WorkerSupervisor:
     def _fail_group(self, group: GroupState, reason: str, cause: BaseException | None = None, *,
                     defer: bool = False) -> None:
         """Fail ``group`` (once). ``defer``: its futures are failed by the reaper thread, not here."""
+        if (self._ready or self._finished) and threading.get_ident() == self._io_ident:
+            self._resolve_ready()  # answers that came in first win, as they would have unbatched
         with self._submit_lock:  # so that no submit slips in between the flag and the swap
             if group.failed is not None:
                 return
@@ -583,13 +656,3 @@ def _fail_futures(pending: dict[int, PendingRequest], message: str, cause: BaseE
         error = EngineUnavailableError(message)
         error.__cause__ = cause
         resolve(p.future, error=error)
-
-
-def _parse_identity(identity: bytes) -> tuple[str, int | None, int]:
-    try:
-        kind, replica, rank = identity.decode().split("-")
-        if kind in ("c", "h"):
-            return kind, int(replica), int(rank)
-    except (UnicodeDecodeError, ValueError):
-        pass
-    return "", None, 0

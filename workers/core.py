@@ -91,7 +91,10 @@ class EngineCore:
             return done
         if not self._pending:
             return []
-        request_id, request = self._pending.popleft()
+        return self.run(*self._pending.popleft())
+
+    def run(self, request_id: Any, request: Any) -> list[Completion]:
+        """``add`` then ``step`` in one call, for an executing runner with nothing admitted."""
         try:
             return [(request_id, self.runner.execute(request), None)]
         except Exception as exc:  # a request-local failure: report it as data

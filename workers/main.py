@@ -71,6 +71,8 @@ from runtime.shm import ShmArena, ShmMapper
 
 #: inline tensors up to this size; larger CPU tensors go through shared memory
 INLINE_LIMIT = 64 * 1024
+#: a plain int: ``getsockopt(EVENTS) & zmq.POLLIN`` would build an enum member on every call
+_POLLIN = int(zmq.POLLIN)
 
 
 #: linux/prctl.h
@@ -251,26 +253,38 @@ def _serve(ctl: zmq.Socket, inbox: zmq.Socket, core: Any, arena: ShmArena, mappe
     is_output = boot["rank"] == 0
     decoder = wire.TensorDecoder(mapper=mapper, allow_cuda_ipc=boot["target"] == "cuda")
     encoder = wire.TensorEncoder(allocator=arena, inline_threshold=INLINE_LIMIT)
-    poller = zmq.Poller()
-    poller.register(inbox, zmq.POLLIN)
-    poller.register(ctl, zmq.POLLIN)
+    # ctl first: a shutdown is seen before the requests queued with it
+    poll_items = [(ctl, _POLLIN), (inbox, _POLLIN)]
+    request_types, ctl_types = frozenset({"request"}), frozenset({"free", "shutdown"})
+    batching = core.batching
     while True:
-        # Block for messages only while the runner has nothing to advance.
-        if not core.has_unfinished():
-            poller.poll()
-        while ctl.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            msg = wire.unpack_message(ctl.recv(copy=False).buffer, expected_types={"free", "shutdown"})
-            if msg["type"] == "shutdown":
-                return
-            for segment, offset in msg["blocks"]:
-                arena.free(segment, offset)
-        while inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            msg = wire.unpack_message(inbox.recv(copy=False).buffer, expected_types={"request"},
-                                      tensor_decoder=decoder)
-            core.add(msg["id"], msg["payload"])
-            if not core.batching:
-                break  # one at a time: the rest stay queued in the socket
-        for request_id, result, error in core.step():
+        # Block for messages only while the runner has something to advance (an executing
+        # one never has: it runs each request as it is taken). The poll is level-triggered:
+        # what is still queued after this pass shows in the next one.
+        done: list = []
+        for sock, _ in zmq.zmq_poll(poll_items, 0 if batching and core.has_unfinished() else -1):
+            if sock is ctl:
+                while True:
+                    msg = wire.unpack_message(ctl.recv(), expected_types=ctl_types)
+                    if msg["type"] == "shutdown":
+                        return
+                    for segment, offset in msg["blocks"]:
+                        arena.free(segment, offset)
+                    if not ctl.getsockopt(zmq.EVENTS) & _POLLIN:
+                        break
+            elif batching:  # admit whatever has arrived, then step once
+                while True:
+                    # a copy: cheaper than a zmq.Frame for the small message a request mostly is
+                    msg = wire.unpack_message(inbox.recv(), expected_types=request_types, tensor_decoder=decoder)
+                    core.add(msg["id"], msg["payload"])
+                    if not inbox.getsockopt(zmq.EVENTS) & _POLLIN:
+                        break
+            else:  # one at a time: the rest stay queued in the socket
+                msg = wire.unpack_message(inbox.recv(), expected_types=request_types, tensor_decoder=decoder)
+                done = core.run(msg["id"], msg["payload"])
+        if batching:
+            done = core.step()
+        for request_id, result, error in done:
             if error is None and is_output:
                 try:
                     reply = wire.pack_message("done", request_id, ok=True, result=result, tensor_encoder=encoder)
