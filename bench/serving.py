@@ -46,7 +46,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from array import array
 from collections import deque
@@ -57,6 +56,7 @@ import numpy as np
 import psutil
 import zmq
 
+from bench.common import exit_with_parent
 from runtime.client import Client
 
 PLUGIN = "bench.transport:EchoEntry"
@@ -123,20 +123,9 @@ class LaunchedServer:
             raise RuntimeError(f"the server exited with status {code}; log:\n{open(self.log_path).read()}")
 
 
-def _exit_with_parent() -> None:
-    """Exit when the benchmark dies, however it died (EOF on the spawn parent's sentinel)."""
-    parent = multiprocessing.parent_process()
-    if parent is not None:
-        def watch() -> None:
-            multiprocessing.connection.wait([parent.sentinel])
-            os._exit(70)
-
-        threading.Thread(target=watch, name="bench-death-watch", daemon=True).start()
-
-
 def _msgpack_echo_server(address: str) -> None:
     """ROUTER: msgpack-decode and re-encode each request; an empty frame ends it (the floor)."""
-    _exit_with_parent()
+    exit_with_parent()
     ctx = zmq.Context(1)
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -154,7 +143,7 @@ def _msgpack_echo_server(address: str) -> None:
 
 def _pickle_echo_server(address: str) -> None:
     """REP: ``recv_pyobj`` then ``send_pyobj`` of the same object (the baseline); None ends it."""
-    _exit_with_parent()
+    exit_with_parent()
     ctx = zmq.Context(1)
     sock = ctx.socket(zmq.REP)
     sock.setsockopt(zmq.LINGER, 0)
@@ -316,7 +305,7 @@ def measure_image(paths: list[tuple[Any, int]], progress: Progress) -> dict[str,
 
 def _load_worker(kind: str, address: str, duration_s: float, barrier: Any, conn: Any) -> None:
     """One client process: warm up, wait for the others, then a closed loop for ``duration_s``."""
-    _exit_with_parent()
+    exit_with_parent()
     zctx = zmq.Context(1)
     path = _open_path(kind, address, zctx)
     try:
