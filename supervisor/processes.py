@@ -124,7 +124,13 @@ def sweep_run_dirs() -> None:
 
 
 def check_port_free(port: int, replica: int) -> None:
+    """Raise ValueError when rank 0 of ``replica`` could not listen on ``port``.
+
+    SO_REUSEADDR, as the rank's own listener sets it: connections of a previous engine
+    in TIME_WAIT on the port (for a minute after it closed) are no obstacle; a listener is.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError as exc:

@@ -24,7 +24,7 @@ import torch
 from runtime import DeploymentConfig, Engine, EngineUnavailableError, WorkerSupervisorConfig
 from tests import conftest
 from tests.conftest import (child_pids, close_engine, engine_args, free_base_port, group_pids, leftovers,
-                            pid_alive, run_dirs, shm_names, start_engine, supervisor_of, tp_parallel,
+                            pid_alive, run_dirs, shm_names, start_engine, tp_parallel,
                             wait_until)
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaks")]
@@ -187,6 +187,33 @@ def test_a_taken_base_port_is_a_clear_valueerror(taken):
     assert "base_port" in message
     assert child_pids() == before
     assert all(leftovers(run_id) == [] for run_id in conftest.RUNS[runs:])
+
+
+def _time_wait_on(port: int) -> None:
+    """Leave a connection in TIME_WAIT on ``port`` (the listening side closes first), as a
+    replica's rendezvous store does when its engine closes."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = listener.accept()
+        accepted.close()
+        time.sleep(0.05)
+        client.close()
+
+
+def test_an_engine_restarted_at_once_on_the_same_base_port_starts():
+    """The previous engine's rendezvous connections linger in TIME_WAIT for a minute: no obstacle."""
+    base = free_base_port(1)
+    _time_wait_on(base)
+    states = subprocess.run(["ss", "-tan", f"sport = :{base}"], capture_output=True, text=True).stdout
+    deployment = DeploymentConfig.local(devices=(0, 1), process_config=WorkerSupervisorConfig(base_port=base))
+    engine = Engine(engine_args(parallel=tp_parallel(2)), deployment)
+    try:
+        assert engine.step({"op": "pid"}, timeout=60)["replica"] == 0, states
+    finally:
+        close_engine(engine)
 
 
 def test_plugin_args_with_int_keys_reach_the_ranks_or_are_refused_up_front():
