@@ -60,6 +60,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -229,6 +230,7 @@ def _rendezvous_store(port: int, rank: int, world: int, timeout):
     import torch.distributed as dist
 
     if rank != 0:
+        _wait_for_listener(port, timeout.total_seconds())
         return dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -240,6 +242,19 @@ def _rendezvous_store(port: int, rank: int, world: int, timeout):
         raise
     # the store owns the socket from here (it closes the descriptor when it goes)
     return dist.TCPStore("127.0.0.1", port, world, True, timeout=timeout, master_listen_fd=listener.detach())
+
+
+def _wait_for_listener(port: int, timeout_s: float) -> None:
+    """Return once rank 0's store listens on ``port`` (or after ``timeout_s``; the store's own
+    connect then reports the failure). A TCPStore client that finds no listener backs off for
+    up to a second before it tries again; probing every 5 ms starts a replica that much sooner."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            return
+        except OSError:
+            time.sleep(0.005)
 
 
 def _timedelta(seconds: float):
