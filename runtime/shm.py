@@ -80,10 +80,21 @@ def _round_up(n: int, to: int) -> int:
 
 
 def _unlink_quiet(name: str) -> bool:
+    """Remove one stale name; never raises. A sweep meets whatever a killed process left
+    under a name of ours (a forged one too: a directory, a link, another user's file)."""
+    path = os.path.join(SHM_DIR, name)
     try:
-        os.unlink(os.path.join(SHM_DIR, name))
+        os.unlink(path)
         return True
     except FileNotFoundError:  # already unlinked, e.g. by a sweep
+        return False
+    except IsADirectoryError:
+        try:
+            os.rmdir(path)  # only if empty: nothing of ours lives in a directory
+            return True
+        except OSError:
+            return False
+    except OSError:  # not ours to remove (permissions, a read-only mount): leave it
         return False
 
 

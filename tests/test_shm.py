@@ -293,3 +293,29 @@ def test_prefault_false_and_true_both_give_zeroed_memory():
             _, _, view = arena.place(1 << 20)
             assert view.tobytes() == bytes(1 << 20)
             view.release()
+
+
+def test_a_sweep_removes_odd_entries_under_a_dead_owners_names_and_never_raises():
+    """A killed process may leave, under names of ours, what forged-name tests or an attacker
+    made: a directory, a symlink, a FIFO. The next start's sweep must not fail on them."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    run_id = new_run_id()
+    base = Path(SHM_DIR)
+    names = {f"phyrt-{run_id}-{dead.pid}-{i}" for i in range(4)}
+    a, b, c, d = sorted(names)
+    (base / a).write_bytes(b"x" * 64)
+    (base / b).mkdir(mode=0o700)
+    (base / c).symlink_to(base / a)
+    os.mkfifo(base / d)
+    try:
+        swept = set(sweep_stale())
+        assert names <= swept, names - swept
+        assert not any((base / n).exists() or (base / n).is_symlink() for n in names)
+    finally:
+        for n in names:
+            p = base / n
+            if p.is_dir() and not p.is_symlink():
+                p.rmdir()
+            elif p.exists() or p.is_symlink():
+                p.unlink()
