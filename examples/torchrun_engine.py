@@ -63,23 +63,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     rank = P.rank("world")  # the launcher's RANK: the engine made one replica of all the ranks
     try:
-        print(f"rank {rank}: ready in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+        _line(f"rank {rank}: ready in {time.monotonic() - started:.1f} s", sys.stderr)
         for request in requests:  # the same requests in the same order on every rank
             began = time.monotonic()
             try:
                 result = engine.step(request)
             except PhyrtError as exc:
-                print(f"rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                _line(f"rank {rank}: {type(exc).__name__}: {exc}", sys.stderr)
                 return 1
             took = time.monotonic() - began
             if result is None:
-                print(f"rank {rank}: step returned None (only rank 0 answers) in {took:.2f} s", file=sys.stderr)
+                _line(f"rank {rank}: step returned None (only rank 0 answers) in {took:.2f} s", sys.stderr)
             else:
-                print(f"rank {rank}: step in {took:.2f} s", file=sys.stderr)
-                print("result " + json.dumps(result), flush=True)
+                _line(f"rank {rank}: step in {took:.2f} s", sys.stderr)
+                _line("result " + json.dumps(result), sys.stdout)
     finally:
         engine.close()
     return 0
+
+
+def _line(text: str, stream) -> None:
+    """One whole line in one write: torchrun runs its workers unbuffered (PYTHONUNBUFFERED), where
+    ``print`` writes the text and its newline separately, and ranks sharing one log interleave."""
+    stream.write(text + "\n")
+    stream.flush()
 
 
 if __name__ == "__main__":

@@ -217,7 +217,7 @@ def test_example_tp2_under_torchrun_matches_transformers(agents, ckpt, reference
     seconds = launch.wait()
     text = launch.text()
     assert launch.returncodes == [0], text[-4000:]
-    assert results(text) == reference
+    assert results(text) == reference, text[-4000:]
     assert text.count("rank 1: step returned None") == len(PROMPTS)
     print(f"torchrun --standalone --nproc-per-node 2: {seconds:.1f} s")
 
