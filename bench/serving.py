@@ -57,6 +57,7 @@ import psutil
 import zmq
 
 from bench.common import exit_with_parent
+from bench.echo import _zmq_echo_server as zmq_echo_server
 from runtime.client import Client
 
 PLUGIN = "bench.transport:EchoEntry"
@@ -125,20 +126,7 @@ class LaunchedServer:
 
 def _msgpack_echo_server(address: str) -> None:
     """ROUTER: msgpack-decode and re-encode each request; an empty frame ends it (the floor)."""
-    exit_with_parent()
-    ctx = zmq.Context(1)
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(address)
-    try:
-        while True:
-            identity, frame = sock.recv_multipart()
-            if not frame:
-                return
-            sock.send_multipart([identity, msgpack.packb(msgpack.unpackb(frame))])
-    finally:
-        sock.close(0)
-        ctx.term()
+    zmq_echo_server(address, "msgpack")
 
 
 def _pickle_echo_server(address: str) -> None:
