@@ -10,7 +10,6 @@ The rank side (the test file's ``__main__``) calls ``rank_args`` and ``init_gloo
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import socket
@@ -74,11 +73,20 @@ def init_gloo(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))
-    # a gloo group left to the interpreter's teardown can abort the process ("terminate called
-    # without an active exception") after the rank's work is done and written
-    atexit.register(_destroy_group)
 
 
-def _destroy_group() -> None:
+def finish(out: Path, rank: int, result: object) -> None:
+    """Write this rank's result, meet the other ranks, and leave without interpreter teardown.
+
+    A gloo group left to the interpreter's teardown (or destroyed while a peer is already
+    exiting) can abort the process ("terminate called without an active exception") after
+    its work is done; the workers in ``workers/main.py`` leave through ``os._exit`` for the
+    same reason. The barrier keeps one rank from exiting while another is still inside a
+    collective with it.
+    """
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
     if dist.is_initialized():
-        dist.destroy_process_group()
+        dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -6,7 +6,6 @@ RANK WORLD PORT OUT_DIR``); each writes its output as plain JSON for the test to
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from torch.nn import functional as F
 from models.layers import ColumnParallelLinear, LinearBase, RowParallelLinear
 from runtime import parallel as P
 from runtime.config import DenseParallelConfig, ParallelConfig
-from tests.ranks import init_gloo, launch, rank_args
+from tests.ranks import finish, init_gloo, launch, rank_args
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -130,7 +129,7 @@ def rank_main() -> None:
     finally:
         P.destroy()
         dist.destroy_process_group()
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    finish(out, rank, result)
 
 
 def test_two_ranks_column_row_equals_full_matmul(tmp_path):

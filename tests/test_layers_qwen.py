@@ -6,7 +6,6 @@ group ranks for the slicing, and over a real 2-rank gloo group (this file run as
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -26,7 +25,7 @@ from models.layers.rotary import RotaryEmbedding, rope_theta
 from models.loader import LazySlice
 from runtime import parallel as P
 from runtime.config import AttentionParallelConfig, DenseParallelConfig, ParallelConfig
-from tests.ranks import init_gloo, launch, rank_args
+from tests.ranks import finish, init_gloo, launch, rank_args
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -403,7 +402,7 @@ def rank_main() -> None:
     finally:
         P.destroy()
         dist.destroy_process_group()
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    finish(out, rank, result)
 
 
 def test_two_ranks_sharded_layers_equal_the_full_computation(tmp_path):

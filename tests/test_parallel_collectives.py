@@ -7,7 +7,6 @@ plain data to ``OUT_DIR/rank{R}.json``. The test process asserts on those files.
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from runtime.config import (
     OuterParallelConfig,
     ParallelConfig,
 )
-from tests.ranks import init_gloo, launch, rank_args
+from tests.ranks import finish, init_gloo, launch, rank_args
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,7 +35,7 @@ def rank_main(scenarios: dict) -> None:
     finally:
         P.destroy()
         dist.destroy_process_group()
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    finish(out, rank, result)
 
 
 def config(pp=1, cfg=1, dense=(1, None), attention=(1, 1, None), moe=(1, 1, None)) -> ParallelConfig:

@@ -6,7 +6,6 @@ RANK WORLD PORT OUT_DIR``) under dense tp 2; each writes its actions as JSON.
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ import torch.distributed as dist
 from runtime import parallel as P
 from runtime.config import DenseParallelConfig, OuterParallelConfig, ParallelConfig
 from runtime.plugins import BuildContext, resolve_plugin
-from tests.ranks import init_gloo, launch, rank_args
+from tests.ranks import finish, init_gloo, launch, rank_args
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -139,7 +138,7 @@ def rank_main() -> None:
     finally:
         P.destroy()
         dist.destroy_process_group()
-    (out / f"rank{rank}.json").write_text(json.dumps(actions.tolist()))
+    finish(out, rank, actions.tolist())
 
 
 def test_two_ranks_tp2_equal_tp1(tmp_path, entry):

@@ -27,7 +27,7 @@ from models.loader import CheckpointError, LoadProgress, load_checkpoint, load_c
 from models.qwen3.model import Qwen3ForCausalLM
 from runtime import parallel as P
 from runtime.config import AttentionParallelConfig, DenseParallelConfig, ParallelConfig
-from tests.ranks import init_gloo, launch, rank_args
+from tests.ranks import finish, init_gloo, launch, rank_args
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -299,7 +299,7 @@ def rank_main() -> None:
     finally:
         P.destroy()
         dist.destroy_process_group()
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    finish(out, rank, result)
 
 
 def test_tp2_logits_equal_tp1_and_ranks_read_only_their_slices(checkpoints, tmp_path):

@@ -10,7 +10,6 @@ WORLD PORT OUT_DIR``) that add the same requests in awkward orders.
 
 from __future__ import annotations
 
-import json
 import random
 import socket
 import threading
@@ -318,7 +317,7 @@ def _rank_main() -> None:
     from models.qwen3 import Qwen3Entry, runner as runner_module
     from runtime import parallel as P
     from runtime.plugins import BuildContext
-    from tests.ranks import init_gloo, rank_args
+    from tests.ranks import finish, init_gloo, rank_args
 
     (model,), rank, world, port, out = rank_args(1)
     init_gloo(rank, world, port)
@@ -357,7 +356,7 @@ def _rank_main() -> None:
         runner.add("c", request(1))
     drain()
     result = {"log": log, "steps": runner.num_steps, "early": early if rank else None}
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    finish(out, rank, result)
 
 
 if __name__ == "__main__":
