@@ -35,7 +35,9 @@ class RequestDispatcher:
     def statuses(self) -> list[ReplicaStatus]:
         return [executor.status() for executor in self._executors]
 
-    def submit(self, request: Any) -> Future:
+    def submit(self, request: Any, lead: bool = False) -> Future:
+        """Hand ``request`` to a replica. ``lead``: the caller waits on the future next
+        (``Engine.step``); a local replica lets that thread read its own answer."""
         with self._lock:
             if self._closed:
                 raise EngineUnavailableError("the engine is closed")
@@ -43,7 +45,7 @@ class RequestDispatcher:
                 executor = self._executors[0]
                 if executor.healthy:
                     try:
-                        return executor.submit(request)
+                        return executor.submit(request, lead)
                     except EngineUnavailableError:
                         pass
                 raise EngineUnavailableError(self._none_healthy())
@@ -53,7 +55,7 @@ class RequestDispatcher:
                 if executor is None:
                     raise EngineUnavailableError(self._none_healthy())
                 try:
-                    return executor.submit(request)
+                    return executor.submit(request, lead)
                 except EngineUnavailableError:
                     tried.add(executor.index)  # it failed between the check and the send
 

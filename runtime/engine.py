@@ -104,10 +104,13 @@ class Engine:
         Raises the plugin's own error for a bad payload, and
         ``EngineUnavailableError`` when the engine is closed or no replica is healthy.
         """
+        return self._submit(request, False)
+
+    def _submit(self, request: Any, lead: bool) -> Future:
         if not self._finalizer.alive:
             raise EngineUnavailableError("the engine is closed")
         self._entry.validate_request(request)
-        return self._dispatcher.submit(request)
+        return self._dispatcher.submit(request, lead)
 
     def step(self, request: Any, timeout: float | None = None) -> Any:
         """Run one request and return its result.
@@ -116,7 +119,7 @@ class Engine:
         time; a request that was still queued is then cancelled, one that was
         running goes on and its result is dropped.
         """
-        future = self.submit(request)
+        future = self._submit(request, True)  # this thread waits next: it may read its own answer
         try:
             return future.result(timeout)
         except TimeoutError:

@@ -42,8 +42,12 @@ class ReplicaExecutor(abc.ABC):
     # -- what subclasses implement -------------------------------------------------
 
     @abc.abstractmethod
-    def _submit(self, request: Any, future: Future) -> None:
-        """Start ``request``; complete ``future`` later (from any thread)."""
+    def _submit(self, request: Any, future: Future, lead: bool) -> None:
+        """Start ``request``; complete ``future`` later (from any thread). ``lead``: the
+        caller waits on ``future`` right away (``Engine.step``), a hint an executor may use."""
+
+    def _new_future(self) -> Future:
+        return Future()
 
     @abc.abstractmethod
     def close(self, timeout: float | None = None) -> None:
@@ -75,15 +79,15 @@ class ReplicaExecutor(abc.ABC):
             self._error = reason
             return True
 
-    def submit(self, request: Any) -> Future:
+    def submit(self, request: Any, lead: bool = False) -> Future:
         if self._error is not None:
             raise EngineUnavailableError(f"replica {self.index} is not serving: {self._error}")
-        future: Future = Future()
+        future = self._new_future()
         with self._state_lock:
             self._inflight += 1
         future.add_done_callback(self._done)
         try:
-            self._submit(request, future)
+            self._submit(request, future, lead)
         except BaseException as exc:
             if not future.done():
                 future.set_exception(exc)

@@ -217,7 +217,7 @@ class ExternalExecutor(ReplicaExecutor):
         self._closed = False
         self._released = False
 
-    def submit(self, request: Any) -> Future:
+    def submit(self, request: Any, lead: bool = False) -> Future:
         """Run ``request`` now, in this thread, and return its completed future.
 
         Requests run in order, one at a time: this call returns once the request has
@@ -227,9 +227,9 @@ class ExternalExecutor(ReplicaExecutor):
         ``RequestMismatchError`` (the ranks' requests differ; the engine stays
         usable) or ``EngineUnavailableError`` (a collective failed; for good).
         """
-        return super().submit(request)
+        return super().submit(request, lead)
 
-    def _submit(self, request: Any, future: Future) -> None:
+    def _submit(self, request: Any, future: Future, lead: bool = False) -> None:
         future.set_running_or_notify_cancel()
         with self._run_lock:
             seq = -1

@@ -45,7 +45,7 @@ class InlineExecutor(ReplicaExecutor):
         self._thread = threading.Thread(target=self._serve, name=f"phyrt-inline-{index}", daemon=True)
         self._thread.start()
 
-    def _submit(self, request: Any, future: Future) -> None:
+    def _submit(self, request: Any, future: Future, lead: bool = False) -> None:
         with self._close_lock:
             if self._closed:
                 raise EngineUnavailableError("the engine is closed")

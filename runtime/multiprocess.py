@@ -24,11 +24,15 @@ class MultiprocessExecutor(ReplicaExecutor):
     def attach(self, supervisor: Any) -> None:
         self._supervisor = supervisor
 
-    def _submit(self, request: Any, future: Future) -> None:
+    def _new_future(self) -> Future:
+        # waiting on it reads the ranks' answers in the waiting thread when no other thread does
+        return self._supervisor.new_future()
+
+    def _submit(self, request: Any, future: Future, lead: bool = False) -> None:
         # ranks start work as soon as it is sent and cannot take it back: from here the
         # future is running, so cancel() answers False (only queued inline work cancels)
         future.set_running_or_notify_cancel()
-        self._supervisor.submit(self.index, request, future)
+        self._supervisor.submit(self.index, request, future, lead)
 
     def close(self, timeout: float | None = None) -> None:
         self.mark_failed("the engine is closed")

@@ -5,32 +5,48 @@
       encode (tensors -> shm)
       under _submit_lock: register the pending future, then
       send on each rank's inbox PUSH ------------------------------------------> PULL (every rank)
-                                       poll: ROUTER, inproc PULL (wake/close),
-                                       sentinels, heartbeat and request deadlines
-    Future.set_result  <-------------- ROUTER <--"done"----------------------- DEALER (every rank)
-                                       ROUTER <--"hb"------------------------- heartbeat threads
+    step(): the *reader* while it waits
+      poll ctl ROUTER, read, complete <-------------------"done"-------------- DEALER "c-R-r"
+                                       otherwise the reader: ctl ROUTER <-- (same answers)
+                                       always: hb ROUTER <------"hb"--------- DEALER "h-R-r"
+                                       inproc PULL (wake/close), sentinels,
+                                       heartbeat and request deadlines
+
+Why a reader role. Handing every answer from the I/O thread to the waiting caller
+costs a thread switch and a fight for the GIL on each round trip. So, as in
+``runtime.client``, a caller blocked in ``Engine.step`` (its submit says so:
+``lead=True``) reads the ctl ROUTER itself when no other thread does
+(leader/follower), and a lone caller's round trip involves no other thread of this
+process. Heartbeats have a socket of their own that only the I/O thread reads, so
+they are watched whoever reads the answers.
 
 Invariants:
-- The ROUTER and the inproc PULL belong to the I/O thread. The per-rank inbox
-  PUSH sockets are used only under ``_submit_lock`` (a lock is the memory barrier
-  ZMQ asks for when a socket changes threads), so a request costs no thread
-  hand-off on its way out; the inproc socket only wakes the I/O thread (an
-  earlier deadline, close).
+- The ctl ROUTER is used only by the thread holding the reader role
+  (``_reader``, changed under ``_submit_lock``; the lock is the memory barrier ZMQ
+  asks for when a socket changes threads). The role goes to a caller waiting on
+  its own future (reserved at its submit, or taken at ``result()`` when free), or
+  to the I/O thread while answers are awaited and no caller reads. A caller
+  leaving the role while answers are still awaited wakes the I/O thread to take
+  it. The hb ROUTER and the inproc PULL belong to the I/O thread. The per-rank
+  inbox PUSH sockets are used only under ``_submit_lock``, so a request costs no
+  thread hand-off on its way out; the inproc socket only wakes the I/O thread (an
+  earlier deadline, answers awaited with no reader, close).
 - A request is registered as pending before it is sent, so its "done" can never
-  arrive first. Its clock starts at submission; deadlines are checked at least
-  every ``heartbeat_interval_s`` and at each request's own deadline.
+  arrive first. Its clock starts at submission; deadlines are checked by the I/O
+  thread at least every ``heartbeat_interval_s`` / 2 and at each request's own
+  deadline, whoever reads.
 - A request goes to every rank or to none: a rank's inbox PUSH without a peer
   (its rank died; libzmq dropped the connection) would block, so a submit to
   several ranks first checks that every inbox can take it (POLLOUT), and every
   submit sends with NOBLOCK (one inbox needs no check: its send goes out or
   raises); a rank found unreachable fails the group from the caller, blamed on
   its exit status.
-- The I/O thread takes one ROUTER message per poll (the poll is level-triggered;
+- The reader takes one ROUTER message per poll (the poll is level-triggered;
   after an output rank's answer, also the other ranks' answers already queued)
-  and completes the futures of the answers it took last in that loop iteration,
-  after the bookkeeping, so that a woken caller does not wait for the GIL; any
+  and completes the futures of the answers it took after the bookkeeping; any
   failure of a group first completes the answers already taken, as if each had
-  been completed on arrival.
+  been completed on arrival. Failures found by other threads (an exited rank, a
+  deadline, close) wake a reading caller through ``_reader_pipe``.
 - Any failure of a group (a rank exited, no heartbeat, a malformed message, a
   plugin exception, an execution timeout) fails the whole group exactly once:
   its executor leaves the rotation, its request arena is closed (names unlinked),
@@ -75,6 +91,7 @@ from runtime.config import EngineArgs, WorkerSupervisorConfig, dtype_name
 from runtime.errors import EngineUnavailableError, ProtocolError, RemoteError, WorkerStartupError
 from runtime.futures import resolve
 from runtime.shm import ShmArena, ShmMapper, new_run_id, sweep_creators, sweep_run, sweep_stale
+from runtime.wake_pipe import WakePipe
 from supervisor.groups import (GroupState, LockedArena, PendingRequest, RankState, ReapedProcess, ResultMapper,
                               free_blocks)
 from supervisor.processes import TERM_GRACE_S, SpawnThread, check_port_free, describe_exit, stop_ranks, sweep_run_dirs
@@ -129,8 +146,14 @@ class WorkerSupervisor:
         self._finished: list[tuple[GroupState, PendingRequest]] = []  # every rank answered
         self._io_ident: int | None = None
         self._others_due = False  # the last message taken was an answer that others' answers follow
-        # identity -> (heartbeat?, group, rank) for every rank's two DEALERs
-        self._peers: dict[bytes, tuple[bool, GroupState, RankState]] = {}
+        # the thread that reads the ctl ROUTER (a caller's or the I/O thread's ident), under _submit_lock
+        self._reader: int | None = None
+        self._reader_left = threading.Condition(self._submit_lock)
+        self._reading = threading.local()  # .depth: how deeply this thread is inside lead()
+        self._reader_pipe = WakePipe()  # wakes a caller that reads (a failure, close)
+        # identity -> (group, rank): each rank's ctl DEALER and its heartbeat DEALER
+        self._peers: dict[bytes, tuple[GroupState, RankState]] = {}
+        self._beats: dict[bytes, RankState] = {}
         self._ctx = zmq.Context(1)
         self._groups: list[GroupState] = []
         # ranks die with the thread that forked them (PR_SET_PDEATHSIG): one that outlives them
@@ -141,6 +164,9 @@ class WorkerSupervisor:
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._router.bind(self.address)
+            self._hb = self._ctx.socket(zmq.ROUTER)
+            self._hb.setsockopt(zmq.LINGER, 0)
+            self._hb.bind(f"ipc://{self.run_dir}/hb")
             # no high-water marks on the inproc pair: a caller holding _submit_lock must
             # never block on a full queue while the I/O thread waits for that lock
             self._pull = self._ctx.socket(zmq.PULL)
@@ -189,6 +215,7 @@ class WorkerSupervisor:
                 group.inboxes.append(inbox)
                 boot = msgpack.packb({
                     "run_id": self.run_id, "address": self.address, "inbox": inbox_address,
+                    "heartbeats": f"ipc://{self.run_dir}/hb",
                     "replica": replica, "rank": rank,
                     "world_size": ranks_per_replica, "device": device, "target": target,
                     "params_dtype": dtype_name(device_cfg.params_dtype),
@@ -205,8 +232,8 @@ class WorkerSupervisor:
                                              allow_cuda_ipc=self._cuda)
                 state = RankState(replica, rank, device, process, decoder=decoder)
                 group.ranks.append(state)
-                self._peers[f"c-{replica}-{rank}".encode()] = (False, group, state)
-                self._peers[f"h-{replica}-{rank}".encode()] = (True, group, state)
+                self._peers[f"c-{replica}-{rank}".encode()] = (group, state)
+                self._beats[f"h-{replica}-{rank}".encode()] = state
 
     def _wait_ready(self) -> None:
         if not self._startup.wait(self.config.startup_timeout_s + 5.0):
@@ -216,7 +243,17 @@ class WorkerSupervisor:
 
     # -- submission (caller threads) -----------------------------------------------
 
-    def submit(self, replica: int, request: Any, future: Future) -> None:
+    def new_future(self) -> "LedFuture":
+        """A future whose ``result()`` and ``exception()`` read the answers themselves when no
+        other thread does (see the module docstring)."""
+        return LedFuture(self)
+
+    def submit(self, replica: int, request: Any, future: Future, lead: bool = False) -> None:
+        """Send ``request`` to every rank of ``replica``; ``future`` gets the output rank's answer.
+
+        ``lead``: the caller waits on ``future`` next (``Engine.step``): it is given the reader
+        role if free, so that no other thread needs waking.
+        """
         group = self._groups[replica]
         if group.failed is not None:
             raise EngineUnavailableError(f"replica {replica} is not serving: {group.failed}")
@@ -261,8 +298,14 @@ class WorkerSupervisor:
                             unreachable = [i]
                             break
                     else:
-                        if pending.deadline is not None and pending.deadline < self._wake_at:
-                            self._push.send(b"wake")  # the I/O thread plans to sleep past this deadline
+                        wake = pending.deadline is not None and pending.deadline < self._wake_at
+                        if self._reader is None:
+                            if lead:
+                                self._reader = threading.get_ident()  # reserved: result() reads next
+                            else:
+                                wake = True  # the I/O thread reads the answers
+                        if wake:  # (or it plans to sleep past this deadline)
+                            self._push.send(b"wake")
                         return
                     if len(inboxes) == 1:
                         # nothing went out: as if the check had found the inbox unreachable
@@ -291,53 +334,133 @@ class WorkerSupervisor:
             free_blocks(group, placed)
             raise EngineUnavailableError(f"replica {replica} is not serving: {group.failed or reason}")
 
+    # -- reading the answers (the reader: a waiting caller, or the I/O thread) -------
+
+    def lead(self, future: Future, timeout: float | None) -> None:
+        """Read answers until ``future`` is done or ``timeout`` passed, if this thread gets the
+        reader role (free, or reserved by its submit); return at once otherwise (the reader
+        completes the future; the caller waits on it)."""
+        me = threading.get_ident()
+        depth = getattr(self._reading, "depth", 0)
+        with self._submit_lock:
+            if self._reader is None and not self._closed:
+                self._reader = me
+            if self._reader != me:
+                return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._reading.depth = depth + 1
+        try:
+            self._read_until(future, deadline)
+        finally:
+            self._reading.depth = depth
+            if depth == 0:  # a callback that waited on another future inside our reading keeps it
+                self._leave_reader()
+
+    def _read_until(self, future: Future, deadline: float | None) -> None:
+        router = self._router
+        items = [(router, _POLLIN), (self._reader_pipe.fd, _POLLIN)]
+        wait_ms = int(self.config.heartbeat_interval_s * 1000) + 1
+        while not future.done() and not self._closed:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                wait_ms = min(wait_ms, int(left * 1000) + 1)
+            for item, _ in zmq.zmq_poll(items, wait_ms):
+                if item is router:
+                    self._recv_router()
+                    while self._others_due and router.getsockopt(zmq.EVENTS) & _POLLIN:
+                        self._recv_router()
+                else:
+                    self._reader_pipe.drain()
+            if self._frees_waiting():
+                self._send_frees()
+            if self._ready or self._finished:
+                self._resolve_ready()
+
+    def _leave_reader(self) -> None:
+        with self._submit_lock:
+            if self._reader != threading.get_ident():
+                return
+            self._reader = None
+            self._reader_left.notify_all()
+            if self._awaiting() and not self._closed:
+                # answers still due (another caller's, or a rank's after the output rank's)
+                self._push.send(b"wake")
+
+    def _awaiting(self) -> bool:
+        """Under ``_submit_lock``: whether answers are due on the ctl ROUTER."""
+        if not self._startup.is_set():
+            return True
+        return any(g.pending for g in self._groups if g.failed is None)
+
+    def _frees_waiting(self) -> bool:
+        return any(g.frees for g in self._groups)
+
     # -- the I/O thread ------------------------------------------------------------
 
     def _io_loop(self) -> None:
-        # One iteration: poll; one ROUTER message (the poll is level-triggered: the next one
-        # returns at once while more are queued), wake-ups, exited ranks; then the bookkeeping;
-        # the futures of the results that came in are completed last, so that a caller woken
-        # by one finds this thread about to release the GIL in the next poll.
-        self._io_ident = threading.get_ident()
-        router, pull = self._router, self._pull
-        poll_items: list[tuple[Any, int]] = [(router, _POLLIN), (pull, _POLLIN)]  # for zmq.zmq_poll
+        # One iteration: take the reader role if answers are due and no caller reads; poll;
+        # heartbeats, wake-ups, exited ranks and, as the reader, one ROUTER message (the poll
+        # is level-triggered: the next one returns at once while more are queued); then the
+        # bookkeeping; the futures of the results that came in are completed last, so that a
+        # caller woken by one finds this thread about to release the GIL in the next poll.
+        self._io_ident = me = threading.get_ident()
+        router, hb, pull = self._router, self._hb, self._pull
+        sentinel_items: list[tuple[Any, int]] = []
         sentinels: dict[int, RankState] = {}
         started = time.monotonic()
         next_check = started
+        reading = False
         try:
             # duplicates: a reaper closes a rank's Process (its sentinel) on its own schedule
             for group in self._groups:
                 for r in group.ranks:
                     fd = os.dup(r.process.sentinel)
                     sentinels[fd] = r
-                    poll_items.append((fd, _POLLIN))
+                    sentinel_items.append((fd, _POLLIN))
             while True:
                 now = time.monotonic()
                 if now >= next_check:
                     self._check_deadlines(started)
                     next_check = now + self.config.heartbeat_interval_s / 2
                     self._wake_at = min(next_check, self._next_deadline())
-                for item, _ in zmq.zmq_poll(poll_items, max(0, int((self._wake_at - now) * 1000) + 1)):
+                with self._submit_lock:
+                    if self._reader is None and self._awaiting() and not self._closed:
+                        self._reader = me
+                    reading = self._reader == me
+                items = [(hb, _POLLIN), (pull, _POLLIN), *sentinel_items]
+                if reading:
+                    items.append((router, _POLLIN))
+                for item, _ in zmq.zmq_poll(items, max(0, int((self._wake_at - now) * 1000) + 1)):
                     if item is router:
                         self._recv_router()
                         # the output rank answered before the others: take their answers that are
                         # in already first, rather than while the woken caller waits for the GIL
                         while self._others_due and router.getsockopt(zmq.EVENTS) & _POLLIN:
                             self._recv_router()
+                    elif item is hb:
+                        self._recv_beats()
                     elif item is pull:
                         if not self._drain_inbox():
                             return
                         next_check = 0.0  # woken for an earlier deadline: plan again
                     else:
                         r = sentinels.pop(item)
-                        poll_items.remove((item, _POLLIN))
+                        sentinel_items.remove((item, _POLLIN))
                         os.close(item)
                         self._rank_exited(r)
                 if time.monotonic() >= self._wake_at:
                     next_check = 0.0  # a request deadline is due: check now
-                self._send_frees()
+                if self._frees_waiting():
+                    self._send_frees_as_reader(reading)
                 if self._ready or self._finished:
                     self._resolve_ready()
+                if reading:
+                    with self._submit_lock:
+                        if not self._awaiting():
+                            self._reader = None
+                            self._reader_left.notify_all()
         except BaseException as exc:  # a bug here must not leave callers waiting forever
             log.exception("supervisor I/O thread failed")
             for group in self._groups:
@@ -345,8 +468,28 @@ class WorkerSupervisor:
             self._finish_startup(WorkerStartupError(f"the supervisor's I/O thread failed: {exc!r}"))
         finally:
             self._resolve_ready()  # answers that came in before a close
+            with self._submit_lock:
+                if self._reader == me:
+                    self._reader = None
+                    self._reader_left.notify_all()
             for fd in sentinels:
                 os.close(fd)
+
+    def _send_frees_as_reader(self, reading: bool) -> None:
+        """Give result blocks back to their ranks, taking the reader role for it if it is free
+        (a caller reading sends them itself)."""
+        if not reading:
+            with self._submit_lock:
+                if self._reader is not None or self._closed:
+                    return
+                self._reader = self._io_ident
+        try:
+            self._send_frees()
+        finally:
+            if not reading:
+                with self._submit_lock:
+                    self._reader = None
+                    self._reader_left.notify_all()
 
     def _resolve_ready(self) -> None:
         """Complete the futures of the answers taken, then free the blocks of the requests
@@ -384,14 +527,12 @@ class WorkerSupervisor:
         if peer is None:
             log.warning("message from an unknown peer %r dropped", identity)
             return
-        heartbeat, group, r = peer
+        group, r = peer
         r.last_beat = time.monotonic()
         if group.failed is not None:
             return
         if count != 1:
             self._fail_group(group, f"rank {r.rank} sent a malformed message: {count} frames, not 1")
-            return
-        if heartbeat:
             return
         try:
             msg = wire.unpack_message(payload.buffer, expected_types=_WORKER_TYPES, tensor_decoder=r.decoder)
@@ -404,6 +545,25 @@ class WorkerSupervisor:
             self._fail_group(group, f"rank {r.rank} sent a malformed message: {type(exc).__name__}: {exc}", exc)
         if len(self._mapper.segments) != len(self._unlinked):
             self._unlink_mapped()
+
+    def _recv_beats(self) -> None:
+        """Take every heartbeat queued on the hb ROUTER (I/O thread)."""
+        hb = self._hb
+        while hb.getsockopt(zmq.EVENTS) & _POLLIN:
+            identity = hb.recv()
+            count = 0
+            more = True
+            while more:
+                more = hb.recv(copy=False).more
+                count += 1
+            r = self._beats.get(identity)
+            if r is None:
+                log.warning("heartbeat from an unknown peer %r dropped", identity)
+                continue
+            r.last_beat = time.monotonic()
+            group = self._groups[r.replica]
+            if count != 1 and group.failed is None:
+                self._fail_group(group, f"rank {r.rank} sent a malformed heartbeat: {count} frames, not 1")
 
     def _handle(self, group: GroupState, r: RankState, msg: dict[str, Any]) -> None:
         kind = msg["type"]
@@ -542,7 +702,7 @@ class WorkerSupervisor:
     def _fail_group(self, group: GroupState, reason: str, cause: BaseException | None = None, *,
                     defer: bool = False) -> None:
         """Fail ``group`` (once). ``defer``: its futures are failed by the reaper thread, not here."""
-        if (self._ready or self._finished) and threading.get_ident() == self._io_ident:
+        if (self._ready or self._finished) and threading.get_ident() == self._reader:
             self._resolve_ready()  # answers that came in first win, as they would have unbatched
         with self._submit_lock:  # so that no submit slips in between the flag and the swap
             if group.failed is not None:
@@ -559,6 +719,7 @@ class WorkerSupervisor:
         if not defer:
             _fail_futures(pending, message, cause)
             pending = {}
+            self._reader_pipe.wake()  # a caller reading finds its future failed
         with self._process_lock:
             ranks = [r for r in group.ranks if not r.claimed]
             for r in ranks:
@@ -575,6 +736,7 @@ class WorkerSupervisor:
     def _reap(self, ranks: list[RankState], pending: dict[int, PendingRequest], message: str,
               cause: BaseException | None) -> None:
         _fail_futures(pending, message, cause)
+        self._reader_pipe.wake()
         stop_ranks([r.process for r in ranks])
         self._release(ranks)
 
@@ -610,8 +772,13 @@ class WorkerSupervisor:
             thread = getattr(self, "_thread", None)
             if thread is not None and thread.is_alive():
                 self._push.send(b"close")
+        self._reader_pipe.wake()
         if thread is not None:
             thread.join(10)
+        me = threading.get_ident()
+        with self._submit_lock:  # a caller reading stops at once (woken above): the ROUTER is ours then
+            if not self._reader_left.wait_for(lambda: self._reader is None or self._reader == me, 10.0):
+                log.error("a thread still reads the supervisor's socket at close")
         for group in self._groups:
             with self._submit_lock:  # a caller that found an inbox unreachable may fail a group meanwhile
                 pending, group.pending = group.pending, {}
@@ -643,7 +810,8 @@ class WorkerSupervisor:
         for group in self._groups:
             for inbox in group.inboxes:
                 inbox.close(0)
-        for sock in ("_router", "_pull", "_push"):
+        self._reader_pipe.close()
+        for sock in ("_router", "_hb", "_pull", "_push"):
             if hasattr(self, sock):
                 getattr(self, sock).close(0)
         self._ctx.term()
@@ -656,3 +824,31 @@ def _fail_futures(pending: dict[int, PendingRequest], message: str, cause: BaseE
         error = EngineUnavailableError(message)
         error.__cause__ = cause
         resolve(p.future, error=error)
+
+
+class LedFuture(Future):
+    """The future of a local request: waiting on it (``result``, ``exception``) reads the
+    answers in the waiting thread when no other thread does (``WorkerSupervisor.lead``)."""
+
+    def __init__(self, supervisor: WorkerSupervisor) -> None:
+        super().__init__()
+        self._supervisor = supervisor
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            timeout = self._lead(timeout)
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self.done():
+            timeout = self._lead(timeout)
+        return super().exception(timeout)
+
+    def _lead(self, timeout: float | None) -> float | None:
+        """Read as long as allowed; the time left of ``timeout`` for the plain wait after it."""
+        if timeout is None:
+            self._supervisor.lead(self, None)
+            return None
+        deadline = time.monotonic() + timeout
+        self._supervisor.lead(self, timeout)
+        return max(0.0, deadline - time.monotonic())

@@ -25,7 +25,7 @@ class FakeExecutor(ReplicaExecutor):
         self.closed = False
         self.fail_on_submit = False
 
-    def _submit(self, request, future):
+    def _submit(self, request, future, lead=False):
         if self.fail_on_submit:
             self.mark_failed("died between the health check and the send")
             raise EngineUnavailableError("replica gone")

@@ -316,9 +316,12 @@ def test_a_rank_death_fails_its_replica_only_and_leaves_nothing(pool, stage, how
     victim_inboxes = {f"in-{victim}-{r}" for r in range(len(slot.pids))}
     assert wait_until(lambda: victims_sockets(sup.run_dir, victim_inboxes) == {}, 5.0), \
         victims_sockets(sup.run_dir, victim_inboxes)
-    ctl = ("ctl", "conn")
-    assert wait_until(lambda: run_sockets(sup.run_dir).get(ctl, 0) <= sockets.get(ctl, 0) - 2 * len(slot.pids),
-                      5.0), (sockets, run_sockets(sup.run_dir))  # each rank: a control and a heartbeat DEALER
+    def gone() -> bool:  # each rank: a control DEALER on ctl and a heartbeat DEALER on hb
+        now = run_sockets(sup.run_dir)
+        return all(now.get((name, "conn"), 0) <= sockets.get((name, "conn"), 0) - len(slot.pids)
+                   for name in ("ctl", "hb"))
+
+    assert wait_until(gone, 5.0), (sockets, run_sockets(sup.run_dir))
     assert shm_of(slot.pids) == []
     assert set(shm_names(sup.run_id)) <= run_shm, set(shm_names(sup.run_id)) - run_shm
     assert set(os.listdir(sup.run_dir)) <= run_files, set(os.listdir(sup.run_dir)) - run_files
@@ -438,7 +441,10 @@ def test_a_submit_racing_a_rank_death_neither_blocks_nor_wedges_the_engine():
 
     try:
         with busy:  # the I/O thread will wait for this lock when the witness's request is done
-            assert submit_to(engine, witness, {"op": "sleep", "s": 0.2}).result(30)["replica"] == witness
+            # waited on without result(): a caller in result() would read the answers itself,
+            # and this thread, holding the lock, would stall instead of the I/O thread
+            stalled = submit_to(engine, witness, {"op": "sleep", "s": 0.2})
+            assert wait_until(stalled.done, 30) and stalled.result()["replica"] == witness
             time.sleep(0.5)  # both "done"s are in: the I/O thread now waits for the lock
             os.kill(pids[1], signal.SIGKILL)
             assert wait_until(lambda: not pid_alive(pids[1]), 10)

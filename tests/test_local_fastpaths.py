@@ -7,6 +7,10 @@
   answer, and gives the request arena's blocks back right after: every answer arrives,
   tensors through shared memory or inline, from concurrent callers, and every block
   goes back.
+- A caller waiting on its own answer (``Engine.step``, or ``result()`` when no other
+  thread reads) reads it itself: it needs no other thread of the engine, it completes
+  other callers' futures it reads meanwhile, a step that times out hands the reading
+  on, and a rank's death reaches it at once.
 - ``EngineCore.run``, the rank's one-call path for an executing runner, is ``add``
   then ``step``; ``runtime.futures.resolve`` completes once and never raises.
 """
@@ -89,7 +93,10 @@ def test_a_submit_racing_a_one_rank_groups_death_neither_blocks_nor_is_lost():
 
     try:
         with busy:  # once the witness's answer is completed, the I/O thread waits for this lock
-            assert submit_to(engine, witness, {"op": "sleep", "s": 0.2}).result(30)["replica"] == witness
+            # waited on without result(): a caller in result() would read the answer itself,
+            # and this thread, holding the lock, would stall instead of the I/O thread
+            stalled = submit_to(engine, witness, {"op": "sleep", "s": 0.2})
+            assert wait_until(stalled.done, 30) and stalled.result()["replica"] == witness
             time.sleep(0.5)
             os.kill(pid, signal.SIGKILL)
             assert wait_until(lambda: not pid_alive(pid), 10)
@@ -149,3 +156,96 @@ def test_resolve_completes_once_and_never_raises():
     resolve(cancelled, result=4)
     resolve(cancelled, error=RuntimeError("x"))
     assert cancelled.cancelled()
+
+
+# --------------------------------------------------------------------------- the reader role
+
+
+def stall_io_thread(sup: Any) -> threading.Event:
+    """Make the supervisor's I/O thread block at its next deadline check until the returned
+    event is set (it checks every heartbeat_interval_s / 2)."""
+    release, check = threading.Event(), sup._check_deadlines
+
+    def stalled(started: float) -> None:
+        if threading.get_ident() == sup._io_ident:
+            release.wait(60)
+        check(started)
+
+    sup._check_deadlines = stalled
+    return release
+
+
+@pytest.mark.usefixtures("no_leaks")
+def test_a_caller_in_step_reads_its_own_answer_while_other_futures_are_read_for_it():
+    engine = start_engine(replicas=2, heartbeat_interval_s=0.1)
+    sup = supervisor_of(engine)
+    try:
+        release = stall_io_thread(sup)
+        time.sleep(0.3)  # the I/O thread is stuck now
+        # step(): the caller reads the answer itself; the stalled I/O thread is not needed
+        x = torch.arange(4.0)
+        for _ in range(20):
+            assert torch.equal(engine.step({"op": "echo", "x": x}, timeout=10), x)
+        # a future nobody waits on is read by the I/O thread: it waits for it
+        seen: list = []
+        future = engine.submit({"op": "pid"})
+        future.add_done_callback(lambda f: seen.append(f.result()["replica"]))
+        time.sleep(0.3)
+        assert not future.done()
+        # ... unless a caller in step() reads meanwhile: it completes that future too
+        assert engine.step({"op": "sleep", "s": 0.2}, timeout=10)["replica"] in (0, 1)
+        assert wait_until(future.done, 5) and seen == [future.result()["replica"]]
+        release.set()
+        # with the I/O thread back, futures nobody waits on complete by themselves
+        futures = [engine.submit({"op": "echo", "x": x + i}) for i in range(8)]
+        assert wait_until(lambda: all(f.done() for f in futures), 10)
+        assert all(torch.equal(f.result(), x + i) for i, f in enumerate(futures))
+        assert sup._reader is None
+    finally:
+        close_engine(engine)
+
+
+@pytest.mark.usefixtures("no_leaks")
+def test_a_step_that_times_out_hands_the_reading_on():
+    engine = start_engine(replicas=2)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="still running"):
+            engine.step({"op": "sleep", "s": 1.0}, timeout=0.2)
+        assert time.monotonic() - started < 0.9
+        # another request goes to the idle replica and is answered meanwhile
+        assert engine.step({"op": "pid"}, timeout=10)["replica"] in (0, 1)
+        # the late answer is still read (by whoever reads): nothing stays in flight
+        assert wait_until(lambda: all(s.inflight == 0 for s in engine.replicas), 5), engine.replicas
+        assert supervisor_of(engine)._reader is None
+    finally:
+        close_engine(engine)
+
+
+@pytest.mark.usefixtures("no_leaks")
+def test_a_rank_death_reaches_a_caller_reading_in_step_at_once():
+    engine = start_engine(replicas=1, heartbeat_timeout_s=60.0)
+    [pid] = group_pids(engine, 0)
+    outcome: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            engine.step({"op": "sleep", "s": 30.0}, timeout=60)
+        except BaseException as exc:
+            outcome["error"], outcome["at"] = exc, time.monotonic()
+
+    try:
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        assert wait_until(lambda: supervisor_of(engine)._reader == caller.ident, 10)
+        time.sleep(0.2)
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        caller.join(10)
+        assert isinstance(outcome.get("error"), EngineUnavailableError), outcome
+        assert "SIGKILL" in str(outcome["error"])
+        assert outcome["at"] - killed < 2.0
+        with pytest.raises(EngineUnavailableError):
+            engine.step({"op": "pid"}, timeout=10)
+    finally:
+        close_engine(engine)

@@ -205,13 +205,17 @@ def test_a_peer_that_is_not_a_rank_is_ignored(tp2x2):
     sup = supervisor_of(tp2x2)
     ctx = zmq.Context()
     try:
-        for identity in (b"c-7-0", b"c-0-9", b"x-intruder", b"h-5-5"):
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IDENTITY, identity)
-            sock.connect(sup.address)
-            sock.send(b"garbage")
-            sock.send_multipart([b"more", b"frames"])
+        heartbeats = sup.address.rsplit("/", 1)[0] + "/hb"
+        for address in (sup.address, heartbeats):
+            # a rank's heartbeat name on the ctl socket, and its ctl name on the heartbeat socket
+            impostor = b"h-0-1" if address == sup.address else b"c-0-1"
+            for identity in (b"c-7-0", b"c-0-9", b"x-intruder", b"h-5-5", impostor):
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.IDENTITY, identity)
+                sock.connect(address)
+                sock.send(b"garbage")
+                sock.send_multipart([b"more", b"frames"])
         time.sleep(0.3)
     finally:
         ctx.destroy(linger=0)

@@ -3,7 +3,7 @@
     supervisor (engine process)                       this rank
     PUSH ipc://RUN_DIR/in-R-r ------- requests ------->  PULL  main thread: serve loop
     ROUTER ipc://RUN_DIR/ctl  <------ DEALER "c-R-r" ---  main thread: ready, done; <- free, shutdown
-                              <------ DEALER "h-R-r" ---  heartbeat thread: "hb" every interval
+    ROUTER ipc://RUN_DIR/hb   <------ DEALER "h-R-r" ---  heartbeat thread: "hb" every interval
     engine's spawn thread     ------- exits/dies ------>  kernel: SIGKILL (PR_SET_PDEATHSIG)
 
 Start (two-phase): pin the device (cuda: ``torch.cuda.set_device(entry)``, which
@@ -157,7 +157,7 @@ def main(bootstrap: bytes) -> None:
     inbox = ctx.socket(zmq.PULL)
     inbox.setsockopt(zmq.LINGER, 0)
     inbox.connect(boot["inbox"])
-    heartbeat = _Heartbeat(ctx, boot["address"], f"h-{replica}-{rank}".encode(), boot["heartbeat_interval_s"])
+    heartbeat = _Heartbeat(ctx, boot["heartbeats"], f"h-{replica}-{rank}".encode(), boot["heartbeat_interval_s"])
     arena = mapper = core = None
     code = 0
     try:
