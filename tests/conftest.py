@@ -105,11 +105,25 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def free_base_port(count: int) -> int:
-    """A base port whose ``count`` consecutive ports are free now (replica i uses base + i)."""
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_base_port(count: int = 1) -> int:
+    """A base port whose ``count`` consecutive ports are free now (replica i uses base + i).
+
+    Picked below the kernel's ephemeral range: a port in it can be taken at any moment by
+    the source port of some outgoing connection (another replica's gloo pairs, say),
+    between this check and the rank's bind.
+    """
     rng = random.Random()
+    high = max(_ephemeral_low(), 10000 + 2 * count) - count
     for _ in range(500):
-        base = rng.randrange(20000, 60000)
+        base = rng.randrange(10000, high)
         if all(_port_free(base + i) for i in range(count)):
             return base
     raise RuntimeError(f"found no {count} consecutive free ports")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,9 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port on 127.0.0.1, below the ephemeral range (see ``free_base_port``)."""
+    from tests.conftest import free_base_port
+
+    return free_base_port(1)
 
 
 def launch(script: str, world: int, out: Path, *, args: list[str] = (), timeout: float = 90.0) -> list:

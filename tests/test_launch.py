@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import selectors
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -22,6 +21,8 @@ from typing import Any
 import psutil
 import pytest
 
+from tests.conftest import free_base_port
+
 ROOT = Path(__file__).resolve().parents[1]
 SHM_DIR = "/dev/shm"
 #: how long a launch may take to print its ready line on a busy 2-core machine
@@ -29,24 +30,8 @@ START_TIMEOUT_S = 120.0
 
 
 def free_port(count: int = 1) -> int:
-    """A port p such that p .. p+count-1 are free on 127.0.0.1 now."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count > 65535:
-            continue
-        ok = True
-        for port in range(base + 1, base + count):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free ports")
+    """A port p such that p .. p+count-1 are free on 127.0.0.1 now (below the ephemeral range)."""
+    return free_base_port(count)
 
 
 def shm_names_of(pids: set[int]) -> list[str]:
