@@ -37,11 +37,41 @@ Invariants:
   released (their callbacks may call this client). A reader leaving hands the role
   to the I/O thread when replies are still awaited.
 - A request's shared-memory blocks are freed once the server is done with them: at
-  its reply, or at ``inputs_done`` when the reply said ``inputs_held``. Result
-  blocks are copied out at once; their ``release`` waits in ``_later`` for the next
-  message or heartbeat (a send wakes other threads, which costs a caller its CPU on
-  a busy machine before it has its result). Every future is completed once
-  (``runtime.futures.resolve``).
+  its reply, or at ``inputs_done`` when the reply said ``inputs_held``. A result
+  block is not copied: the result is a view of it (below), and once that is
+  collected the block waits in the session's ``released`` for the next message or
+  heartbeat, which carries its ``release`` (a send of its own would wake other
+  threads, which costs a caller its CPU on a busy machine). Every future is
+  completed once (``runtime.futures.resolve``).
+
+Shared-memory results (ipc://). A result tensor of at least 64 KiB comes back as a
+*view* of the block the server wrote it into, in shared memory, not as a copy: a
+numpy array (or ``torch.from_numpy`` of one, with ``tensor_type="torch"``) whose
+``.base`` chain ends in that block. It is
+
+- valid for as long as you hold it (or anything made from it: a slice, a
+  reshape, a torch tensor): the server reuses the block only after this client
+  sent its ``release``, which happens only once the last of those is collected.
+  ``.copy()`` is not needed to keep a result; it stays valid after
+  ``Client.close()``, after a lost connection, and after the server exits or is
+  killed (the mapping goes with the last view, never before, so nothing dangles);
+- writable: the block is yours until it is collected, and the server neither
+  reads nor writes it meanwhile (writing into it changes nothing anywhere else);
+- memory the server set aside for this client: unreleased result blocks of one
+  client hold at most ``runtime.server_shm.RESULT_SHM_LIMIT`` bytes (512 MiB), and
+  past that the server sends results as frames, which are copied. Keeping many
+  results for long (a dataset, say) is where ``.copy()`` (and dropping the view)
+  helps: it gives the block back to the server at once.
+
+Only this process's arrays count: a child forked while holding one shares the
+block (``MAP_SHARED``), and sees it change once this process has dropped its own
+arrays and the server reused it; such a child should keep a ``.copy()``.
+
+A block is released once: its ``release`` rides with the next message to the
+server, at the latest with the next heartbeat (``heartbeat_interval_s``). Views
+of a session that is gone (closed, connection lost, server restarted) release
+nothing: that server frees (or has freed) the whole session. Results sent as
+frames (tcp://, ``shm=False``, small tensors) are copies the caller owns.
 
 Failure. A lost connection (the socket monitor's DISCONNECTED, or no word from the
 server for ``heartbeat_timeout_s`` while requests are in flight) fails those
@@ -80,7 +110,7 @@ from runtime.endpoints import load_key
 from runtime.errors import ProtocolError
 from runtime.futures import resolve
 from runtime.protocol import (DEFAULT_SHM_THRESHOLD, PROTOCOL_VERSION, PayloadEncoder, TensorResolver, numpy_tensor,
-                              pack_header, torch_tensor, unpack_header)
+                              numpy_view, pack_header, torch_tensor, torch_view, unpack_header)
 from runtime.shm import sweep_stale
 from runtime.wake_pipe import WakePipe
 
@@ -182,7 +212,9 @@ class Client:
     ``submit`` returns a ``concurrent.futures.Future`` at once and never waits on the
     network, so it is safe inside a ROS callback. Results hold numpy arrays, or torch
     tensors with ``tensor_type="torch"``. ``shm`` (default: on for ipc://) sends
-    tensors of at least ``shm_threshold`` bytes through shared memory. CURVE:
+    tensors of at least ``shm_threshold`` bytes through shared memory, and large
+    results come back as views of shared memory, valid until collected (see the
+    module's docstring). CURVE:
     ``server_public_key`` plus this client's ``public_key``/``secret_key`` (z85 text
     or key files); without them the client speaks plain ZMQ.
     """
@@ -200,6 +232,7 @@ class Client:
                              f"{heartbeat_interval_s} and {heartbeat_timeout_s}")
         self.address = address
         self._make = torch_tensor if tensor_type == "torch" else numpy_tensor
+        self._make_shm = torch_view if tensor_type == "torch" else numpy_view
         self._shm = address.startswith("ipc://") and shm is not False
         self._shm_threshold = shm_threshold
         self._hb_interval = heartbeat_interval_s
@@ -214,9 +247,6 @@ class Client:
         self._awaited: dict[str, float] = {}  # replies without a future ("heartbeat", "register"): sent at
         # (request id or None, frames) for the server, in order
         self._outbox: collections.deque[tuple[int | None, list[Any]]] = collections.deque()
-        # releases of result blocks: they ride with the next message (or heartbeat), so that a reply's
-        # reader wakes no other thread (a send does) before its caller has the result
-        self._later: collections.deque[bytes] = collections.deque()
         self._polling = False  # the holder of the socket sleeps in poll (wake it to send)
         self._reader: Any = None  # _IO_THREAD, the ident of a caller thread, or None
         self._session: ShmSession | None = None
@@ -311,7 +341,9 @@ class Client:
         return self._result(self._control("info", None), timeout)
 
     def close(self) -> None:
-        """Fail what is in flight, stop the I/O thread, release sockets and segments. Idempotent."""
+        """Fail what is in flight, stop the I/O thread, release sockets and segments. Idempotent.
+
+        Shared-memory results already returned stay valid (their mappings go with them)."""
         with self._lock:
             if self._closed:
                 return
@@ -483,9 +515,17 @@ class Client:
                 failed.append((p.future, None, ConnectionLostError.for_request(f"{reason}: {self.address}",
                                                                                request_id)))
         # after the requests: a send may cost this thread its CPU, and the requests should not wait
-        while self._later and self._sock_open:
+        session = self._session
+        while session is not None and session.released and self._sock_open:
+            blocks = session.take_released()
+            if not blocks:
+                break
             try:
-                sock.send(self._later.popleft(), _NOBLOCK)
+                sock.send(pack_header({"v": PROTOCOL_VERSION, "op": "release", "id": "release", "blocks": blocks}),
+                          _NOBLOCK)
+            except zmq.Again:  # the queue is full: they ride with a later message
+                session.released.extendleft(tuple(b) for b in reversed(blocks))
+                break
             except zmq.ZMQError as exc:
                 log.warning("dropped a release of result blocks to %s: %s", self.address, exc)
 
@@ -724,15 +764,15 @@ class Client:
         result, error = header.get("result"), None
         if refs or frames:
             session = self._session
-            resolver = TensorResolver(frames, self._make, session.result_view if session is not None else None)
+            # shared-memory results are views of their blocks: each block is released (see
+            # ShmSession.result_view) once the caller's arrays over it are collected
+            resolver = TensorResolver(frames, self._make, session.result_view if session is not None else None,
+                                      self._make_shm)
             try:
                 result = resolver.resolve(result)
                 resolver.finish()
-            except ProtocolError as exc:
-                result, error = None, exc
-            if resolver.shm_blocks:  # copied out: the server may reuse them, and unlink a segment we mapped
-                self._later.append(pack_header({"v": PROTOCOL_VERSION, "op": "release", "id": "release",
-                                                "blocks": [list(b) for b in resolver.shm_blocks]}))
+            except ProtocolError as exc:  # no traceback: its frames would keep the views made so far alive
+                result, error = None, exc.with_traceback(None)
         if p is None:  # failed here already; free its inputs once the server is done with them
             if isinstance(request_id, int):
                 with self._lock:

@@ -8,19 +8,36 @@ Imports only ``runtime.errors`` and ``runtime.shm`` from the project; no torch.
     on_registered(result) <-- {result_run_id, mapped}:  map its result arena; unlink
                                                         our names it has mapped
     result_view(segment, offset, n)               <--  results placed in its arena
+      -> a view of the block; when the last array
+         over it is collected, (segment, offset)
+         goes to ``released``
+    take_released() -> blocks for a ``release``   -->  free them; unlink a segment's name at
+                                                        its first release (we mapped it)
     free(blocks): the server is done with them
 
 A session belongs to one ``server_id``: a restarted server gets a new session, and
-``close()`` unlinks and unmaps what this one holds. The caller serialises every
-call but ``free`` and ``result_view`` (the arena and the mapper lock themselves).
+``close()`` unlinks and unmaps what this one holds. A result view outlives
+``close()``: the mapping under it goes only with the last view (``runtime.shm``
+never unmaps exported memory), and its release, due to a session that is gone,
+is dropped (the server frees what that session held when it drops it). The
+caller serialises every call but ``free``, ``result_view`` and ``take_released``
+(the arena and the mapper lock themselves; ``released`` is a deque, appended to by
+finalizers, which may run on any thread at any allocation, so they take no lock).
 """
 
 from __future__ import annotations
 
+import collections
+import weakref
 from typing import Any
+
+import numpy as np
 
 from runtime.errors import ProtocolError
 from runtime.shm import ShmArena, ShmMapper, new_run_id
+
+#: a release carries at most this many blocks (the server ignores a longer list)
+MAX_RELEASE_BLOCKS = 4096
 
 _CLIENT_ARENA_BYTES = 8 << 20
 
@@ -36,6 +53,8 @@ class ShmSession:
         self.result_mapper: ShmMapper | None = None
         self.refused = False
         self.closed = False
+        #: result blocks whose views were collected, for the next ``release`` (any thread appends)
+        self.released: collections.deque[tuple[str, int]] = collections.deque()
 
     @property
     def usable(self) -> bool:
@@ -65,9 +84,25 @@ class ShmSession:
                 self.arena.free(segment, offset)  # a no-op once the arena is closed
 
     def result_view(self, segment: str, offset: int, nbytes: int) -> memoryview:
+        """A writable view of a result block, no copy. Whatever is built over it keeps it (and
+        the mapping) alive; once the last of that is collected the block goes to ``released``."""
         if self.result_mapper is None:
             raise ProtocolError("a shared-memory result arrived before this client registered")
-        return self.result_mapper.view(segment, offset, nbytes)
+        holder = np.frombuffer(self.result_mapper.view(segment, offset, nbytes), dtype=np.uint8)
+        # the holder is the one owner of the mapped view: every array over the block is based on it
+        weakref.finalize(holder, self.released.append, (segment, offset)).atexit = False
+        return memoryview(holder)
+
+    def take_released(self) -> list[list[Any]]:
+        """Up to ``MAX_RELEASE_BLOCKS`` collected result blocks, as a ``release`` lists them."""
+        released, blocks = self.released, []
+        while released and len(blocks) < MAX_RELEASE_BLOCKS:
+            try:
+                segment, offset = released.popleft()
+            except IndexError:  # taken meanwhile
+                break
+            blocks.append([segment, offset])
+        return blocks
 
     def close(self) -> None:
         self.closed = True

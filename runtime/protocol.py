@@ -1,9 +1,9 @@
 """The client/server protocol: frames, tensor references, and their validation.
 
 Leaf module: imports nothing from the project but ``runtime.errors``; needs
-msgpack, numpy and pyzmq only (torch is imported lazily, by ``torch_tensor``, or used when
-a caller hands in torch tensors), so that the torch-free ``runtime.client`` and the
-``runtime.server`` speak it from one place.
+msgpack, numpy and pyzmq only (torch is imported lazily, by ``torch_tensor`` and
+``torch_view``, or used when a caller hands in torch tensors), so that the
+torch-free ``runtime.client`` and the ``runtime.server`` speak it from one place.
 
     sender                                            receiver
     PayloadEncoder.encode(payload)                    unpack_header(frame 0): a checked map,
@@ -50,13 +50,14 @@ crash of either side leaves nothing in /dev/shm. A block is reused only once the
 server is done with it: at the request's reply, or, if that reply said
 ``inputs_held`` (a deadline fired while the plugin still read the block), at
 ``inputs_done``. Results: with ``shm_results`` the server places large result
-tensors in an arena it keeps for that connection; the client copies them out at
-once and sends ``release`` (with its next message, at the latest with its next
-heartbeat), whose first use of a segment also tells the server the client has
-mapped it, so the server unlinks that name. Results are therefore always
-ordinary, writable arrays the caller owns. The server drops a connection's shared
-memory (and unlinks what is left) when the ``pid`` it registered with is gone, or
-after ``client_timeout_s`` of silence (the client pings every heartbeat interval).
+tensors in an arena it keeps for that connection, and never touches a block again
+until the client sends its ``release``; the client hands the caller views of the
+blocks (no copy) and sends ``release`` once those are collected (with its next
+message, at the latest with its next heartbeat). A release's first use of a
+segment also tells the server the client has mapped it, so the server unlinks
+that name. The server drops a connection's shared memory (and unlinks what is
+left) when the ``pid`` it registered with is gone, or after ``client_timeout_s`` of
+silence (the client pings every heartbeat interval).
 
 Decoding treats its input as untrusted: every failure raises ``ProtocolError``.
 
@@ -404,14 +405,17 @@ class TensorResolver:
     """Replaces ``_Ext`` placeholders by tensors built with ``make(buffer, dtype, shape)``.
 
     ``frames``: the message's tensor frames; ``shm_view(segment, offset, nbytes)``
-    returns a bounds-checked view or raises ProtocolError (None: shm refused).
+    returns a bounds-checked view or raises ProtocolError (None: shm refused);
+    ``make_shm`` (default ``make``) builds the tensors of shared-memory references.
     """
 
     def __init__(self, frames: Sequence[Any], make: Callable[[memoryview, str, list[int]], Any],
-                 shm_view: Callable[[str, int, int], memoryview] | None = None) -> None:
+                 shm_view: Callable[[str, int, int], memoryview] | None = None,
+                 make_shm: Callable[[memoryview, str, list[int]], Any] | None = None) -> None:
         self.frames = frames
         self.make = make
         self.shm_view = shm_view
+        self.make_shm = make if make_shm is None else make_shm
         self.used = [False] * len(frames)
         self.shm_blocks: list[tuple[str, int]] = []
 
@@ -470,11 +474,17 @@ class TensorResolver:
             nbytes = math.prod(shape) * ITEMSIZE[name]
             buf = self.shm_view(segment, offset, nbytes)
             self.shm_blocks.append((segment, offset))
+            _check_bools(buf, name, nbytes)
+            return self.make_shm(buf, name, shape)
         else:
             raise ProtocolError(f"unknown extension type {ext.code}")
-        if name == "bool" and nbytes and np.frombuffer(buf, dtype=np.uint8).max() > 1:
-            raise ProtocolError("a bool tensor holds bytes other than 0 and 1")
+        _check_bools(buf, name, nbytes)
         return self.make(buf, name, shape)
+
+
+def _check_bools(buf: memoryview, name: str, nbytes: int) -> None:
+    if name == "bool" and nbytes and np.frombuffer(buf, dtype=np.uint8).max() > 1:
+        raise ProtocolError("a bool tensor holds bytes other than 0 and 1")
 
 
 def _reject_ext(code: int, data: bytes) -> Any:
@@ -488,12 +498,19 @@ def _buffer(frame: Any) -> memoryview:
 
 def numpy_tensor(buf: memoryview, name: str, shape: list[int]) -> np.ndarray:
     """A writable copy the caller owns."""
+    return numpy_view(buf, name, shape).copy()
+
+
+def numpy_view(buf: memoryview, name: str, shape: list[int]) -> np.ndarray:
+    """An array over ``buf`` itself, no copy: it keeps ``buf``'s exporter alive, and is
+    writable if ``buf`` is."""
     if name == "bfloat16":
         raise ProtocolError("bfloat16 has no numpy dtype; use Client(..., tensor_type='torch')")
-    return np.frombuffer(buf, dtype=_NP_CODES[name], count=math.prod(shape)).reshape(shape).copy()
+    return np.frombuffer(buf, dtype=_NP_CODES[name], count=math.prod(shape)).reshape(shape)
 
 
 def torch_tensor(buf: memoryview, name: str, shape: list[int]) -> Any:
+    """A writable copy the caller owns."""
     import torch
 
     if name == "bfloat16":
@@ -501,3 +518,16 @@ def torch_tensor(buf: memoryview, name: str, shape: list[int]) -> Any:
             return torch.empty(shape, dtype=torch.bfloat16)
         return torch.frombuffer(bytearray(buf), dtype=torch.bfloat16).reshape(shape)
     return torch.from_numpy(numpy_tensor(buf, name, shape))
+
+
+def torch_view(buf: memoryview, name: str, shape: list[int]) -> Any:
+    """A tensor over ``buf`` itself, no copy (``buf`` must be writable): it keeps ``buf``'s
+    exporter alive, as ``numpy_view`` does."""
+    import torch
+
+    count = math.prod(shape)
+    if name == "bfloat16":
+        if not count:
+            return torch.empty(shape, dtype=torch.bfloat16)
+        return torch.frombuffer(buf, dtype=torch.bfloat16, count=count).reshape(shape)
+    return torch.from_numpy(numpy_view(buf, name, shape))

@@ -191,6 +191,160 @@ def test_result_segments_of_a_dead_client_are_removed(echo):
         ctx.term()
 
 
+# --------------------------------------------------------------------------- shared-memory results are views
+
+
+@pytest.fixture
+def inline_echo(tmp_path):
+    """A ``Server`` over an inline ``tests.plugins:Echo`` engine in this process: its
+    per-client result arenas can be looked at."""
+    from runtime import Engine, EngineArgs
+    from runtime.server import Server
+
+    private = tmp_path / "run"
+    private.mkdir(mode=0o700)
+    server = Server(Engine(EngineArgs(plugin="tests.plugins:Echo")), f"ipc://{private}/s.sock")
+    server.start()
+    yield server
+    server.close(5)
+
+
+def _shm_client(server, client: Client):
+    """The server's ``ClientShm`` of ``client``, once both sides registered."""
+    assert wait_until(lambda: client._session is not None and client._session.result_mapper is not None, 10)
+    run_id = client._session.run_id
+    assert wait_until(lambda: any(c.run_id == run_id for c in list(server._shm._clients.values())), 5)
+    return next(c for c in list(server._shm._clients.values()) if c.run_id == run_id)
+
+
+def _phyrt_names(*run_ids: str) -> list[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if any(n.startswith(f"phyrt-{r}-") for r in run_ids))
+
+
+@pytest.mark.timeout(60)
+def test_a_shm_result_is_a_view_of_its_block_held_until_collected(inline_echo):
+    big = np.random.default_rng(2).standard_normal(1 << 19)  # 4 MiB of float64
+    with Client(inline_echo.address, heartbeat_interval_s=0.2) as client:
+        shm = _shm_client(inline_echo, client)
+        result = client.call({"x": big}, timeout=30)["x"]
+        np.testing.assert_array_equal(result, big)
+        assert not result.flags.owndata and result.flags.writeable  # a view, and the caller may write to it
+        (segment, offset), = dict(shm._outstanding)  # the server holds its one block for us
+        # no copy: the array is that very block (a write shows in the server's own mapping of it)
+        server_side = np.frombuffer(shm._arena._segments[segment].mm, np.float64, count=4, offset=offset)
+        result[:4] = -1.0
+        assert server_side.tolist() == [-1.0] * 4
+        del server_side
+
+        part = result[100:200]  # anything made from it keeps the block
+        del result
+        client.ping()  # messages and heartbeats go by: nothing to release yet
+        time.sleep(0.6)
+        assert (segment, offset) in shm._outstanding
+        np.testing.assert_array_equal(part, big[100:200])
+        del part  # the last array over the block: released with the next heartbeat
+        assert wait_until(lambda: not shm._outstanding, 5), dict(shm._outstanding)
+
+        # and the server reuses it: the next result lands in the same block
+        again = client.call({"x": big}, timeout=30)["x"]
+        assert dict(shm._outstanding) == {(segment, offset): big.nbytes}
+        np.testing.assert_array_equal(again, big)
+
+
+@pytest.mark.timeout(60)
+def test_torch_shm_results_keep_their_block_too(inline_echo):
+    torch = pytest.importorskip("torch")
+    x = torch.randn(1 << 18)  # 1 MiB
+    half = torch.randn(1 << 17).to(torch.bfloat16)  # 256 KiB
+    with Client(inline_echo.address, tensor_type="torch", heartbeat_interval_s=0.2) as client:
+        shm = _shm_client(inline_echo, client)
+        result = client.call({"x": x, "half": half}, timeout=30)
+        assert torch.equal(result["x"], x) and torch.equal(result["half"], half)
+        assert len(shm._outstanding) == 2
+        kept_x, kept_half = result["x"][::2], result["half"].view(torch.int16)
+        del result
+        time.sleep(0.6)
+        assert len(shm._outstanding) == 2  # the torch tensors (and views of them) hold their blocks
+        del kept_x
+        assert wait_until(lambda: len(shm._outstanding) == 1, 5)
+        assert torch.equal(kept_half, half.view(torch.int16))
+        del kept_half
+        assert wait_until(lambda: not shm._outstanding, 5)
+
+
+@pytest.mark.timeout(120)
+def test_dropped_results_are_released_and_shared_memory_does_not_grow(inline_echo):
+    big = np.zeros((1024, 1024), np.float32)  # 4 MiB
+    with Client(inline_echo.address) as client:
+        shm = _shm_client(inline_echo, client)
+        client_run, result_run = client._session.run_id, shm.result_run_id
+
+        def round_trips(n: int, start: int) -> None:
+            for i in range(start, start + n):
+                big[0, 0] = i
+                assert client.call({"x": big, "i": i}, timeout=30)["x"][0, 0] == i  # dropped at once
+
+        round_trips(10, 0)
+        capacity = shm._arena.capacity
+        round_trips(60, 10)
+        assert shm._arena.capacity == capacity  # the same blocks, over and over
+        assert len(shm._arena.segments) <= 2 and len(client._session.result_mapper.segments) <= 2
+        # a few held at once (the arena grows for them), then dropped: all of them come back
+        held = [client.call({"x": big}, timeout=30)["x"] for _ in range(3)]
+        assert len(shm._outstanding) == 3
+        del held
+        client.ping()  # the release rides with this message
+        assert wait_until(lambda: not shm._outstanding, 5), dict(shm._outstanding)
+        capacity = shm._arena.capacity
+        round_trips(30, 100)
+        assert shm._arena.capacity == capacity
+        # every name went once mapped: nothing of this client is named in /dev/shm
+        assert wait_until(lambda: _phyrt_names(client_run, result_run) == [], 5), _phyrt_names(client_run,
+                                                                                               result_run)
+
+
+@pytest.mark.timeout(120)
+def test_a_result_kept_after_close_stays_valid_and_nothing_is_left(tmp_path):
+    """The views outlive Client.close() and the server's close (no dangling mapping: a
+    segfault would end the child), and /dev/shm holds nothing of either afterwards."""
+    private = tmp_path / "run"
+    private.mkdir(mode=0o700)
+    code = f"""
+import gc, os
+import numpy as np
+import torch
+from runtime import Engine, EngineArgs
+from runtime.client import Client
+from runtime.server import Server
+from tests.test_launch import shm_names_of, wait_until
+
+server = Server(Engine(EngineArgs(plugin="tests.plugins:Echo")), "ipc://{private}/s.sock")
+server.start()
+big = np.random.default_rng(3).standard_normal((512, 1024))  # 4 MiB
+with Client(server.address) as client, Client(server.address, tensor_type="torch") as torch_client:
+    for c in (client, torch_client):
+        assert wait_until(lambda: c._session is not None and c._session.result_mapper is not None, 10)
+    kept = client.call({{"x": big}}, timeout=30)["x"]
+    kept_torch = torch_client.call({{"x": torch.from_numpy(big)}}, timeout=30)["x"]
+    assert not kept.flags.owndata
+gc.collect()
+assert (kept == big).all() and torch.equal(kept_torch, torch.from_numpy(big))
+kept += 1.0
+kept_torch.add_(1.0)
+assert (kept == big + 1.0).all() and torch.equal(kept_torch, torch.from_numpy(big + 1.0))
+server.close(5)
+gc.collect()
+assert (kept == big + 1.0).all() and torch.equal(kept_torch, torch.from_numpy(big + 1.0))
+assert shm_names_of({{os.getpid()}}) == [], shm_names_of({{os.getpid()}})
+del kept, kept_torch
+gc.collect()
+print("ok", os.getpid(), flush=True)
+"""
+    proc = _run_python(code, timeout=100)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok "), (proc.returncode, proc.stdout, proc.stderr[-3000:])
+    assert shm_names_of({int(proc.stdout.split()[1])}) == []
+
+
 # --------------------------------------------------------------------------- deadlines, cancel, errors
 
 
