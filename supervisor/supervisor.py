@@ -18,7 +18,11 @@ costs a thread switch and a fight for the GIL on each round trip. So, as in
 ``lead=True``) reads the ctl ROUTER itself when no other thread does
 (leader/follower), and a lone caller's round trip involves no other thread of this
 process. Heartbeats have a socket of their own that only the I/O thread reads, so
-they are watched whoever reads the answers.
+they are watched whoever reads the answers. When the machine has a core to spare
+(more cores than ranks), the reading caller polls for up to ``SPIN_S`` (100 µs;
+environment ``PHYRT_SPIN_US``, 0 turns it off) before it sleeps in ``poll``: a
+short answer then costs no wake-up of a sleeping thread, and a long one at most
+that much of one core.
 
 Invariants:
 - The ctl ROUTER is used only by the thread holding the reader role
@@ -109,6 +113,9 @@ PEER_DEATH_GRACE_S = 0.2
 # plain ints: ``getsockopt(EVENTS) & zmq.POLLOUT`` would build an enum member on every call
 _POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 _NOBLOCK = int(zmq.NOBLOCK)
+#: how long a caller reading its own answer polls before it sleeps in poll, when the machine
+#: has a core for it besides one per rank (waking a sleeping thread costs tens of µs)
+SPIN_S = float(os.environ.get("PHYRT_SPIN_US", "100")) / 1e6
 _PEER_LOSS = re.compile(r"connection (?:reset|closed|refused|aborted)|by peer|broken pipe|econnreset|epipe"
                         r"|remote process|gloo|nccl|socket|timed? ?out", re.IGNORECASE)
 
@@ -151,6 +158,7 @@ class WorkerSupervisor:
         self._reader_left = threading.Condition(self._submit_lock)
         self._reading = threading.local()  # .depth: how deeply this thread is inside lead()
         self._reader_pipe = WakePipe()  # wakes a caller that reads (a failure, close)
+        self._spin_s = 0.0  # see SPIN_S; set once the ranks are counted
         # identity -> (group, rank): each rank's ctl DEALER and its heartbeat DEALER
         self._peers: dict[bytes, tuple[GroupState, RankState]] = {}
         self._beats: dict[bytes, RankState] = {}
@@ -196,6 +204,7 @@ class WorkerSupervisor:
             for i in range(len(placement)):
                 check_port_free(self.config.base_port + i, i)
         total = sum(len(p) for p in placement)
+        self._spin_s = SPIN_S if total < len(os.sched_getaffinity(0)) else 0.0
         # the engine process needs a core's share too (it encodes and copies tensors)
         threads = max(1, (os.cpu_count() or 1) // (total + 1))
         device_cfg = self._args.config.device
@@ -366,6 +375,10 @@ class WorkerSupervisor:
                 if left <= 0:
                     return
                 wait_ms = min(wait_ms, int(left * 1000) + 1)
+            if self._spin_s:  # a core to spare: look for the answer a moment before sleeping
+                spin_until = time.perf_counter() + self._spin_s
+                while not zmq.zmq_poll(items, 0) and time.perf_counter() < spin_until:
+                    pass  # (zmq_poll releases the GIL each time)
             for item, _ in zmq.zmq_poll(items, wait_ms):
                 if item is router:
                     self._recv_router()

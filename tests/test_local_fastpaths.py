@@ -10,7 +10,8 @@
 - A caller waiting on its own answer (``Engine.step``, or ``result()`` when no other
   thread reads) reads it itself: it needs no other thread of the engine, it completes
   other callers' futures it reads meanwhile, a step that times out hands the reading
-  on, and a rank's death reaches it at once.
+  on, and a rank's death reaches it at once; waiting on a long request, it sleeps
+  (after at most a short poll).
 - ``EngineCore.run``, the rank's one-call path for an executing runner, is ``add``
   then ``step``; ``runtime.futures.resolve`` completes once and never raises.
 """
@@ -247,5 +248,19 @@ def test_a_rank_death_reaches_a_caller_reading_in_step_at_once():
         assert outcome["at"] - killed < 2.0
         with pytest.raises(EngineUnavailableError):
             engine.step({"op": "pid"}, timeout=10)
+    finally:
+        close_engine(engine)
+
+
+@pytest.mark.usefixtures("no_leaks")
+def test_a_caller_waiting_on_a_long_request_does_not_burn_a_core():
+    engine = start_engine(replicas=1)
+    try:
+        engine.step({"op": "pid"}, timeout=30)
+        cpu = time.thread_time()
+        assert engine.step({"op": "sleep", "s": 0.5}, timeout=30)["replica"] == 0
+        # at most the short poll before sleeping (supervisor.SPIN_S, 100 µs), plus the round
+        # trip's own work: not half a second of polling
+        assert time.thread_time() - cpu < 0.1
     finally:
         close_engine(engine)
