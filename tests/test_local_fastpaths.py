@@ -18,12 +18,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -162,6 +163,15 @@ def test_resolve_completes_once_and_never_raises():
 # --------------------------------------------------------------------------- the reader role
 
 
+@contextlib.contextmanager
+def local_engine(**settings: Any) -> Iterator[Any]:
+    engine = start_engine(**settings)
+    try:
+        yield engine
+    finally:
+        close_engine(engine)
+
+
 def stall_io_thread(sup: Any) -> threading.Event:
     """Make the supervisor's I/O thread block at its next deadline check until the returned
     event is set (it checks every heartbeat_interval_s / 2)."""
@@ -178,9 +188,8 @@ def stall_io_thread(sup: Any) -> threading.Event:
 
 @pytest.mark.usefixtures("no_leaks")
 def test_a_caller_in_step_reads_its_own_answer_while_other_futures_are_read_for_it():
-    engine = start_engine(replicas=2, heartbeat_interval_s=0.1)
-    sup = supervisor_of(engine)
-    try:
+    with local_engine(replicas=2, heartbeat_interval_s=0.1) as engine:
+        sup = supervisor_of(engine)
         release = stall_io_thread(sup)
         time.sleep(0.3)  # the I/O thread is stuck now
         # step(): the caller reads the answer itself; the stalled I/O thread is not needed
@@ -202,14 +211,11 @@ def test_a_caller_in_step_reads_its_own_answer_while_other_futures_are_read_for_
         assert wait_until(lambda: all(f.done() for f in futures), 10)
         assert all(torch.equal(f.result(), x + i) for i, f in enumerate(futures))
         assert sup._reader is None
-    finally:
-        close_engine(engine)
 
 
 @pytest.mark.usefixtures("no_leaks")
 def test_a_step_that_times_out_hands_the_reading_on():
-    engine = start_engine(replicas=2)
-    try:
+    with local_engine(replicas=2) as engine:
         started = time.monotonic()
         with pytest.raises(TimeoutError, match="still running"):
             engine.step({"op": "sleep", "s": 1.0}, timeout=0.2)
@@ -219,8 +225,6 @@ def test_a_step_that_times_out_hands_the_reading_on():
         # the late answer is still read (by whoever reads): nothing stays in flight
         assert wait_until(lambda: all(s.inflight == 0 for s in engine.replicas), 5), engine.replicas
         assert supervisor_of(engine)._reader is None
-    finally:
-        close_engine(engine)
 
 
 @pytest.mark.usefixtures("no_leaks")
@@ -254,13 +258,10 @@ def test_a_rank_death_reaches_a_caller_reading_in_step_at_once():
 
 @pytest.mark.usefixtures("no_leaks")
 def test_a_caller_waiting_on_a_long_request_does_not_burn_a_core():
-    engine = start_engine(replicas=1)
-    try:
+    with local_engine(replicas=1) as engine:
         engine.step({"op": "pid"}, timeout=30)
         cpu = time.thread_time()
         assert engine.step({"op": "sleep", "s": 0.5}, timeout=30)["replica"] == 0
         # at most the short poll before sleeping (supervisor.SPIN_S, 100 µs), plus the round
         # trip's own work: not half a second of polling
         assert time.thread_time() - cpu < 0.1
-    finally:
-        close_engine(engine)
