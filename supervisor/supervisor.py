@@ -352,9 +352,9 @@ class WorkerSupervisor:
         me = threading.get_ident()
         depth = getattr(self._reading, "depth", 0)
         with self._submit_lock:
-            if self._reader is None and not self._closed:
+            if self._reader is None and not self._closed and not future.done():
                 self._reader = me
-            if self._reader != me:
+            if self._reader != me:  # (or reserved by our submit: taken, and given up, below)
                 return
         deadline = None if timeout is None else time.monotonic() + timeout
         self._reading.depth = depth + 1
@@ -467,7 +467,7 @@ class WorkerSupervisor:
                     next_check = 0.0  # a request deadline is due: check now
                 if self._frees_waiting():
                     self._send_frees_as_reader(reading)
-                if self._ready or self._finished:
+                if reading and (self._ready or self._finished):
                     self._resolve_ready()
                 if reading:
                     with self._submit_lock:
@@ -847,15 +847,13 @@ class LedFuture(Future):
         super().__init__()
         self._supervisor = supervisor
 
+    # lead() even when done: the role may be reserved for this thread (its submit said it
+    # would wait), and a future failed meanwhile must give the reservation up
     def result(self, timeout: float | None = None) -> Any:
-        if not self.done():
-            timeout = self._lead(timeout)
-        return super().result(timeout)
+        return super().result(self._lead(timeout))
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        if not self.done():
-            timeout = self._lead(timeout)
-        return super().exception(timeout)
+        return super().exception(self._lead(timeout))
 
     def _lead(self, timeout: float | None) -> float | None:
         """Read as long as allowed; the time left of ``timeout`` for the plain wait after it."""

@@ -265,3 +265,23 @@ def test_a_caller_waiting_on_a_long_request_does_not_burn_a_core():
         # at most the short poll before sleeping (supervisor.SPIN_S, 100 µs), plus the round
         # trip's own work: not half a second of polling
         assert time.thread_time() - cpu < 0.1
+
+
+@pytest.mark.usefixtures("no_leaks")
+def test_a_step_whose_request_failed_before_it_waited_leaves_the_reading_to_others():
+    """Engine.step's submit reserves the reading for its thread; a request failed before that
+    thread waits must not keep the reservation (nobody would read the other replica's answers)."""
+    with local_engine(replicas=2, heartbeat_timeout_s=60.0) as engine:
+        sup = supervisor_of(engine)
+        victim = engine._dispatcher.executors[0]
+        [pid] = group_pids(engine, 0)
+        future = victim.submit({"op": "sleep", "s": 30.0}, lead=True)  # as Engine.step submits
+        assert sup._reader == threading.get_ident()
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until(future.done, 10)  # failed before this thread waits on it
+        with pytest.raises(EngineUnavailableError):
+            future.result(5)
+        assert sup._reader is None
+        # a future of the other replica that nobody waits on is read (by the I/O thread)
+        other = submit_to(engine, 1, {"op": "pid"})
+        assert wait_until(other.done, 10) and other.result()["replica"] == 1
