@@ -59,6 +59,14 @@ class RequestDispatcher:
                 except EngineUnavailableError:
                     tried.add(executor.index)  # it failed between the check and the send
 
+    def run_if_idle(self, request: Any, before: Any = None) -> tuple[bool, Any, BaseException | None]:
+        """Run ``request`` in the calling thread when the engine is one idle inline replica
+        (see ``InlineExecutor.run_if_idle``); ``(False, None, None)`` otherwise."""
+        if len(self._executors) != 1 or self._closed:
+            return False, None, None
+        run = getattr(self._executors[0], "run_if_idle", None)
+        return (False, None, None) if run is None else run(request, before)
+
     def _choose(self, tried: set[int]) -> ReplicaExecutor | None:
         count = len(self._executors)
         best = None

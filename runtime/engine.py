@@ -112,6 +112,16 @@ class Engine:
         self._entry.validate_request(request)
         return self._dispatcher.submit(request, lead)
 
+    def run_if_idle(self, request: Any, before: Any = None) -> tuple[bool, Any, BaseException | None]:
+        """Run ``request`` here, in the calling thread, if this is one inline replica holding no
+        other request: ``(True, result, error)``; otherwise ``(False, None, None)`` and the
+        caller submits it as usual. ``before()`` runs once it is decided to run here (the
+        server hands its socket to another thread then). Validates the request first."""
+        if not self._finalizer.alive:
+            return False, None, None
+        self._entry.validate_request(request)
+        return self._dispatcher.run_if_idle(request, before)
+
     def step(self, request: Any, timeout: float | None = None) -> Any:
         """Run one request and return its result.
 

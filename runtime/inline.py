@@ -13,6 +13,9 @@ Invariants:
   ``Exception`` (say ``SystemExit`` from plugin code) takes the replica down.
 - The serve thread is a daemon: an engine nobody closed never keeps the interpreter
   alive; ``Engine`` closes it from a ``weakref.finalize`` at exit.
+- ``run_if_idle`` runs a request in the calling thread instead (no hand-off to the
+  serve thread) when the replica holds no other request; the runner is entered by one
+  thread at a time (``_exec_lock``), so the two paths never overlap.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class InlineExecutor(ReplicaExecutor):
         self._running: dict[int, Future] = {}
         self._closed = False
         self._close_lock = threading.Lock()
+        self._exec_lock = threading.Lock()  # held while the runner runs, by either thread
         self._thread = threading.Thread(target=self._serve, name=f"phyrt-inline-{index}", daemon=True)
         self._thread.start()
 
@@ -60,7 +64,9 @@ class InlineExecutor(ReplicaExecutor):
                 # Block for new work only when the runner has nothing left to advance.
                 if not self._admit(block=not core.has_unfinished()):
                     return
-                for request_id, result, error in core.step():
+                with self._exec_lock:
+                    done = core.step()
+                for request_id, result, error in done:
                     future = self._running.pop(request_id, None)
                     if future is None:
                         continue
@@ -73,6 +79,35 @@ class InlineExecutor(ReplicaExecutor):
             self.mark_failed(reason)
             self._fail_running(reason, exc)
             self._drain_queue(reason)  # the thread ends here; the failure is the replica's state
+
+    def run_if_idle(self, request: Any, before: Any = None) -> tuple[bool, Any, BaseException | None]:
+        """Run ``request`` in this thread if the replica holds no other request and its runner
+        executes one request at a time: ``(True, result, error)``; else ``(False, None, None)``
+        and nothing happened. ``before()`` is called first, once it is decided to run here."""
+        if self._core.batching or not self._exec_lock.acquire(blocking=False):
+            return False, None, None
+        try:
+            with self._state_lock:
+                if self._closed or self._error is not None or self._inflight:
+                    return False, None, None
+                self._inflight += 1  # a submit meanwhile queues behind this one
+            try:
+                if before is not None:
+                    before()
+                try:
+                    [(_, result, error)] = self._core.run(next(self._ids), request)
+                except BaseException as exc:  # the runner itself broke, as in the serve thread
+                    reason = f"inline runner failed: {type(exc).__name__}: {exc}"
+                    self.mark_failed(reason)
+                    error = EngineUnavailableError(reason)
+                    error.__cause__ = exc
+                    result = None
+                return True, result, error
+            finally:
+                with self._state_lock:
+                    self._inflight -= 1
+        finally:
+            self._exec_lock.release()
 
     def _admit(self, block: bool) -> bool:
         """Move queued requests into the core; False once asked to stop."""
@@ -134,7 +169,13 @@ class InlineExecutor(ReplicaExecutor):
             self._fail_running(f"the engine closed while a request was still running after {timeout} s")
             return
         self._fail_running("the engine is closed")
-        self._core.close()
+        # a request running in another thread (run_if_idle) finishes before the runner closes
+        if not self._exec_lock.acquire(timeout=-1 if timeout is None else timeout):
+            return
+        try:
+            self._core.close()
+        finally:
+            self._exec_lock.release()
 
 
 def _fail(future: Future, reason: str, cause: BaseException | None = None) -> None:

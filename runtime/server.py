@@ -12,14 +12,23 @@
                                      when a deadline
                                      answered first)
 
+Two I/O threads take turns running the loop above. With an inline engine that holds no
+other request, the looping thread runs a submit itself (``Engine.run_if_idle``) after
+handing the loop to the other thread: an idle server answers in the thread that read
+the request, with no hop to the engine's thread (a hop that cost about as much as the
+rest of the round trip here), and the socket is never left unread while a plugin runs.
+A submit that finds the engine busy goes to the engine's thread, as before.
+
 Invariants:
+- One thread runs the loop at a time (``_looper``, under ``_turn``).
 - The ROUTER is used under ``_sock_lock`` only (ZMQ sockets are not thread-safe):
   the I/O thread reads and answers there, and the thread that completes a request
   sends its reply at once, without a hop back to the I/O thread. The I/O thread
   sleeps in ``poll`` on the socket's (edge-triggered) ``ZMQ_FD`` without the lock;
   so every holder checks ``EVENTS`` after its send, and wakes the I/O thread
-  when messages are waiting. Engine calls made on the I/O thread return at once
-  (``Engine.submit`` validates and queues); the socket is never held across one.
+  when messages are waiting. Engine calls made by the looping thread return at once
+  (``Engine.submit`` validates and queues; ``run_if_idle`` runs the plugin only after
+  the loop was handed over); the socket is never held across one.
 - Everything a client sends is untrusted: ``MAXMSGSIZE`` drops oversized messages
   (and their sender's connection), headers are decoded one frame at a time with
   lengths bounded by the frame, unknown ops and fields are refused, tensor
@@ -68,6 +77,7 @@ import zmq
 
 from runtime.endpoints import CurveKeys, check_address
 from runtime.errors import EngineUnavailableError, ProtocolError
+from runtime.futures import resolve
 from runtime.metrics import NullMetrics
 from runtime.protocol import (MAX_TENSOR_FRAMES, PROTOCOL_VERSION, TensorResolver, is_request_id, pack_header,
                               unpack_header)
@@ -136,6 +146,17 @@ class Server:
         self._rejected = 0
         self._last_reject_log = time.monotonic()
         self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+        # Two I/O threads take turns running the loop (``_looper`` under ``_turn``): an inline
+        # engine holding no other request runs a submit in the looping thread, which first hands
+        # the loop (and the socket) to the other thread, so the socket is never left unread
+        # while a plugin runs, and an idle server answers without waking an engine thread
+        self._turn = threading.Condition()
+        self._looper: int | None = None
+        self._run_here = engine.mode == "inline" and callable(getattr(engine, "run_if_idle", None))
+        self._may_run_here = False
+        self._handed_over = False  # the next looper takes over from a thread running a request
+        self._next_housekeeping = time.monotonic() + _HOUSEKEEPING_S
         self._closed = False
         # request tensors are deliberately read-only views of the received frames
         warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
@@ -179,8 +200,11 @@ class Server:
 
     def start(self) -> "Server":
         sweep_stale()  # names left by phyrt processes that were killed
-        self._thread = threading.Thread(target=self._run, name="phyrt-server", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._loop_main, name=f"phyrt-server-{i}", daemon=True)
+                         for i in range(2)]
+        self._thread = self._threads[0]
+        for thread in self._threads:
+            thread.start()
         return self
 
     @property
@@ -221,7 +245,10 @@ class Server:
                 self._idle.wait(2.0)  # the engine failed what it held: let those replies go out
                 self._stop = True
                 self._wake()
-                self._thread.join(10)
+                with self._turn:
+                    self._turn.notify_all()
+                for thread in self._threads:
+                    thread.join(10)
             self._release_sockets()
             self._shm.close()
             sweep_stale()
@@ -254,16 +281,40 @@ class Server:
 
     # -- the I/O thread ---------------------------------------------------------------
 
+    def _loop_main(self) -> None:
+        """One of the two I/O threads: run the loop whenever it is this thread's turn."""
+        me = threading.get_ident()
+        while True:
+            with self._turn:
+                while self._looper is not None and not self._stop:
+                    self._turn.wait()
+                if self._stop:
+                    return
+                self._looper = me
+            self._run()
+
+    def _hand_over(self) -> None:
+        """The looping thread is about to run a request itself: the other thread takes the loop."""
+        with self._turn:
+            self._looper = None
+            self._handed_over = True
+            self._io_thread_id = None  # this thread's sends wake the next looper from now on
+            self._turn.notify()
+
     def _run(self) -> None:
-        self._io_thread_id = threading.get_ident()
+        """The loop, until ``close()`` or until this thread handed it over (``_hand_over``)."""
+        me = self._io_thread_id = threading.get_ident()
         poller = select.poll()
         poller.register(self._router_fd, select.POLLIN)  # edge-triggered: see the module's invariants
         poller.register(self._wake_pipe.fd, select.POLLIN)
         wake_fd = self._wake_pipe.fd
-        next_housekeeping = time.monotonic() + _HOUSEKEEPING_S
-        more = True  # messages may be waiting: read before sleeping
+        # messages may be waiting: read before sleeping (at a hand-over, the thread that handed
+        # over read everything; a message since then left the descriptor readable, or, if that
+        # thread's send took its signal, that thread woke us through the pipe)
+        more, self._handed_over = not self._handed_over, False
         try:
             while not self._stop:
+                next_housekeeping = self._next_housekeeping
                 if more or self._recheck:
                     wait_ms = 0.0
                 else:
@@ -284,20 +335,28 @@ class Server:
                 self._expire_deadlines(now)
                 if now >= next_housekeeping:
                     self._housekeeping(now)
-                    next_housekeeping = now + _HOUSEKEEPING_S
+                    self._next_housekeeping = now + _HOUSEKEEPING_S
                 if not self._accepting and not self._requests:
                     self._idle.set()
                     self._drained.set()
                 batch, more = self._read_router()
-                for identity, frames in batch:
+                last = len(batch) - 1
+                for i, (identity, frames) in enumerate(batch):
+                    # the last message read, with nothing else waiting: a submit may run in this thread
+                    self._may_run_here = self._run_here and i == last and not more
                     try:
                         self._handle(identity, frames)
                     except Exception:  # a server bug must not take the loop down
                         log.exception("failed to handle a message from %r", identity)
                         self._reply_error(identity, None, None, "InvalidRequest",
                                           "the server could not process this message (see its log)")
+                    if self._looper != me:  # it ran one here and the other thread loops now
+                        return
         except BaseException:  # a bug: log it, and let close() release what is left
             log.exception("the server's I/O thread failed")
+            self._stop = True  # the other I/O thread does not take over a broken loop
+            with self._turn:
+                self._turn.notify_all()
             self._idle.set()
             self._drained.set()
 
@@ -383,6 +442,8 @@ class Server:
             payload, holds_inputs = header["payload"], False
         req = Request(identity, request_id, None, timeout_s, client, shm_results and client is not None,
                       holds_inputs)
+        if self._may_run_here and self._run_here_now(req, payload):
+            return
         try:
             future = self._engine.submit(payload)
         except EngineUnavailableError as exc:
@@ -392,6 +453,26 @@ class Server:
         req.future = future
         self._requests.add(req)
         future.add_done_callback(functools.partial(self._on_done, req))
+
+    def _run_here_now(self, req: Request, payload: Any) -> bool:
+        """Run ``req`` in this thread if the engine is idle (True: answered or failing like a
+        submitted request would); the loop goes to the other I/O thread first."""
+        future: Future = Future()
+        future.set_running_or_notify_cancel()  # it runs once it is decided: not cancellable
+
+        def before() -> None:
+            req.future = future
+            self._requests.add(req)
+            future.add_done_callback(functools.partial(self._on_done, req))
+            self._hand_over()
+
+        try:
+            ran, result, error = self._engine.run_if_idle(payload, before)
+        except Exception as exc:  # the plugin's validate_request refused it
+            raise Rejected("InvalidRequest", f"{type(exc).__name__}: {exc}") from None
+        if ran:
+            resolve(future, result, error)
+        return ran
 
     def _op_cancel(self, identity: bytes, request_id: Any, header: dict, frames: list, client: Any) -> None:
         no_frames(frames)

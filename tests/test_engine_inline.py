@@ -179,3 +179,28 @@ def test_unclosed_engine_does_not_keep_the_interpreter_alive():
     assert out.returncode == 0, out.stderr
     assert "leaving" in out.stdout
     assert time.monotonic() - started < 25
+
+
+def test_run_if_idle_runs_in_the_calling_thread_only_when_nothing_else_is_held(engine):
+    import threading
+
+    calls = []
+    ran, result, error = engine.run_if_idle({"x": 1}, before=lambda: calls.append(threading.get_ident()))
+    assert (ran, result, error) == (True, {"x": 1}, None) and calls == [threading.get_ident()]
+    ran, result, error = engine.run_if_idle({"raise": "ZeroDivisionError"})
+    assert ran and result is None and isinstance(error, ZeroDivisionError)
+    assert engine.replicas[0].healthy  # a plugin exception fails that request only, as submitted ones do
+    with pytest.raises(ValueError, match="marked invalid"):
+        engine.run_if_idle({"invalid": True})
+    # the engine holds a request (running on its thread): nothing runs here, nothing is called
+    plugins.gate.clear()
+    held = engine.submit({"wait_gate": True})
+    time.sleep(0.1)
+    plugins.log.clear()
+    assert engine.run_if_idle({"y": 2}, before=lambda: calls.append("no")) == (False, None, None)
+    assert plugins.log == [] and calls == [threading.get_ident()]
+    plugins.gate.set()
+    assert held.result(10) == {"wait_gate": True}
+    assert engine.replicas[0].inflight == 0
+    engine.close()
+    assert engine.run_if_idle({"z": 3}) == (False, None, None)

@@ -398,16 +398,38 @@ def inline_server(tmp_path, monkeypatch):
     server.close(5)
 
 
+SERVER_THREADS = {"phyrt-server-0", "phyrt-server-1"}
+
+
 @pytest.mark.timeout(60)
-def test_an_inline_engine_thread_sends_its_replies_itself(inline_server):
-    """No hop back to the I/O thread: the thread that completes a request sends its reply."""
+def test_an_idle_inline_server_runs_a_request_where_it_received_it(inline_server):
+    """No hop to the engine's thread and back: with nothing else in the engine, the server
+    thread that read a request runs it and sends its reply (the other one reads meanwhile)."""
     with Client(inline_server.address) as client:
         for i in range(10):
             assert client.call({"i": i}, timeout=30) == {"i": i}
         assert client.ping(10) > 0
     submits = [name for name, header in inline_server.sent if header.get("op") == "submit"]
-    assert submits == ["phyrt-inline-0"] * 10
-    assert {name for name, header in inline_server.sent if header.get("op") == "ping"} == {"phyrt-server"}
+    assert len(submits) == 10 and set(submits) <= SERVER_THREADS, submits
+    assert {name for name, header in inline_server.sent if header.get("op") == "ping"} <= SERVER_THREADS
+
+
+@pytest.mark.timeout(60)
+def test_a_request_running_in_a_server_thread_leaves_the_socket_served(inline_server):
+    """While one server thread runs a slow request, the other answers pings and queues more
+    work for the engine's own thread, whose replies it sends itself."""
+    with Client(inline_server.address) as slow, Client(inline_server.address) as other:
+        running = slow.submit({"sleep": 1.5})
+        time.sleep(0.3)  # it runs now, in the server thread that read it
+        started = time.monotonic()
+        assert other.ping(5) > 0
+        queued = other.submit({"q": 1})  # the engine is busy: this one goes to its thread
+        assert time.monotonic() - started < 0.5  # answered while the slow request runs
+        assert running.result(10) == {"sleep": 1.5}
+        assert queued.result(10) == {"q": 1}
+    names = {header.get("id"): name for name, header in inline_server.sent if header.get("op") == "submit"}
+    assert set(names.values()) <= SERVER_THREADS | {"phyrt-inline-0"}
+    assert "phyrt-inline-0" in names.values(), names  # the request queued behind the slow one
 
 
 @pytest.mark.timeout(120)
