@@ -64,8 +64,7 @@ class RequestDispatcher:
         (see ``InlineExecutor.run_if_idle``); ``(False, None, None)`` otherwise."""
         if len(self._executors) != 1 or self._closed:
             return False, None, None
-        run = getattr(self._executors[0], "run_if_idle", None)
-        return (False, None, None) if run is None else run(request, before)
+        return self._executors[0].run_if_idle(request, before)
 
     def _choose(self, tried: set[int]) -> ReplicaExecutor | None:
         count = len(self._executors)

@@ -49,6 +49,12 @@ class ReplicaExecutor(abc.ABC):
     def _new_future(self) -> Future:
         return Future()
 
+    def run_if_idle(self, request: Any, before: Any = None) -> tuple[bool, Any, BaseException | None]:
+        """Run ``request`` in the calling thread if this replica can and holds nothing else:
+        ``(True, result, error)``; ``(False, None, None)`` otherwise (here: never; the inline
+        executor can)."""
+        return False, None, None
+
     @abc.abstractmethod
     def close(self, timeout: float | None = None) -> None:
         """Stop serving and release everything; idempotent."""
