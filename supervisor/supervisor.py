@@ -62,7 +62,10 @@ Invariants:
   I/O thread may see the survivor's error before the dead rank's sentinel.
 - ``Process`` objects are touched under ``_process_lock`` once a reaper may close
   them (a closed one is replaced by a ``ReapedProcess``: pid, name, exit code); the
-  I/O thread polls its own duplicates of the sentinels.
+  I/O thread polls its own duplicates of the sentinels. Every rank is released (its
+  ``Process`` closed, its pipes with it) by the one thread that claimed it, a reaper
+  or ``close()``, which waits for the ranks' reapers: a rank whose exit code another
+  thread's poll is still storing is waited for, not skipped (see ``_release``).
 - Shared memory: each replica's requests go through an arena this process owns;
   each rank answers through its own arena. A segment's name is unlinked as soon
   as every process that needs it has mapped it, and stale names of dead runs are
@@ -110,6 +113,8 @@ _WORKER_TYPES = frozenset({"ready", "startup_error", "done"})
 INBOX_GRACE_S = 2.0
 #: how long a rank's error that reads like a lost peer waits for a peer's death to show
 PEER_DEATH_GRACE_S = 0.2
+#: how long releasing a stopped rank waits for its exit code to show (see _release)
+EXIT_CODE_WAIT_S = 1.0
 # plain ints: ``getsockopt(EVENTS) & zmq.POLLOUT`` would build an enum member on every call
 _POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -643,11 +648,14 @@ class WorkerSupervisor:
     def _dead_rank(self, ranks: list[RankState], wait_s: float = 0.0) -> str | None:
         """"rank K <how it exited>" for one of ``ranks`` whose process has exited (one killed
         by a signal first, then the lowest), waiting up to ``wait_s`` for one to; else None."""
-        with self._process_lock:  # a reaped rank's process is a ReapedProcess, described all the same
-            exits = [(r.rank, describe_exit(r.process)) for r in ranks if r.closed]
-            # waited on without the lock: duplicates, as a reaper may close a Process meanwhile
-            live = {os.dup(r.process.sentinel): r for r in ranks if not r.closed}
+        live: dict[int, RankState] = {}
         try:
+            with self._process_lock:  # a reaped rank's process is a ReapedProcess, described all the same
+                exits = [(r.rank, describe_exit(r.process)) for r in ranks if r.closed]
+                # waited on without the lock: duplicates, as a reaper may close a Process meanwhile
+                for r in ranks:
+                    if not r.closed:
+                        live[os.dup(r.process.sentinel)] = r
             ready = multiprocessing.connection.wait(list(live), 0.0 if exits else wait_s) if live else []
         finally:
             for fd in live:
@@ -748,24 +756,51 @@ class WorkerSupervisor:
 
     def _reap(self, ranks: list[RankState], pending: dict[int, PendingRequest], message: str,
               cause: BaseException | None) -> None:
-        _fail_futures(pending, message, cause)
-        self._reader_pipe.wake()
-        stop_ranks([r.process for r in ranks])
-        self._release(ranks)
+        try:
+            _fail_futures(pending, message, cause)
+            self._reader_pipe.wake()
+        finally:  # whatever happens above, the ranks are stopped and their Process objects closed
+            try:
+                stop_ranks([r.process for r in ranks])
+            finally:
+                self._release(ranks)
 
     def _release(self, ranks: list[RankState]) -> None:
-        """Close the Process objects of reaped ranks (their pipes) and sweep the /dev/shm names
-        they left (a result arena grown and not yet unlinked, say)."""
-        dead = []
+        """Close the Process objects of stopped ranks (their pipes) and sweep the /dev/shm names
+        they left (a result arena grown and not yet unlinked, say).
+
+        A rank's exit code may not show at once even though ``stop_ranks`` saw it die: when two
+        threads poll the same ``Process`` (``Process.start`` in any thread polls every child of
+        this process first; ``_dead_rank`` joins ranks too), the one whose ``waitpid`` reaps it
+        stores the code a moment later, and the other's ``waitpid`` meanwhile fails (ECHILD),
+        which multiprocessing reads as "still running". So wait for it (bounded: the reaping
+        thread needs only the GIL); a rank reaped by a wait outside multiprocessing (its exit
+        status is lost) has its pipes released all the same; only one that still runs after
+        SIGKILL keeps them.
+        """
+        dead: list[int] = []
+        waiting = list(ranks)
+        deadline = time.monotonic() + EXIT_CODE_WAIT_S
+        while True:
+            with self._process_lock:
+                for r in waiting:
+                    if not r.closed and r.process.exitcode is not None:
+                        dead.append(_close_rank_process(r, r.process.exitcode))
+                waiting = [r for r in waiting if not r.closed]
+            if not waiting or time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)  # (without the GIL: the thread that reaped one stores its code meanwhile)
         with self._process_lock:
-            for r in ranks:
-                process = r.process
-                if r.closed or process.exitcode is None:  # one that could not be killed keeps it
+            for r in waiting:
+                if r.closed:
                     continue
-                r.process = ReapedProcess(process.pid, process.name, process.exitcode)
-                process.close()
-                r.closed = True
-                dead.append(r.process.pid)
+                if _reaped_elsewhere(r.process.pid):
+                    log.warning("replica %d rank %d (pid %d) was reaped by a wait outside multiprocessing: "
+                                "its exit status is lost; its pipes are released", r.replica, r.rank, r.process.pid)
+                    dead.append(_close_rank_process(r, None))
+                else:
+                    log.error("replica %d rank %d (pid %d) still runs after SIGKILL: its Process keeps its pipes",
+                              r.replica, r.rank, r.process.pid)
         if dead:
             sweep_creators(self.run_id, dead)
 
@@ -814,8 +849,10 @@ class WorkerSupervisor:
             reapers = list(self._reapers)
         stop_ranks([r.process for r in ranks], polite=True)
         self._release(ranks)
-        for reaper in reapers:
-            reaper.join(TERM_GRACE_S + 10.0)
+        for reaper in reapers:  # a failed group's ranks are released when its reaper ends
+            reaper.join(TERM_GRACE_S + 10.0 + EXIT_CODE_WAIT_S)
+            if reaper.is_alive():
+                log.error("%s has not finished stopping its ranks at close", reaper.name)
         self._spawner.stop()  # only now: its end SIGKILLs any rank it started
         for group in self._groups:
             group.arena.close()
@@ -830,6 +867,35 @@ class WorkerSupervisor:
         self._ctx.term()
         shutil.rmtree(self.run_dir, ignore_errors=True)
         sweep_run(self.run_id)
+
+
+def _close_rank_process(r: RankState, exitcode: int | None) -> int:
+    """Under ``_process_lock``: close the exited ``r.process`` (its sentinel and its other pipe)
+    and put a ``ReapedProcess`` in its place; its pid. ``exitcode`` None: reaped by a wait
+    outside multiprocessing, which then never learns the exit code (``Process.close()``
+    refuses such a process): its pipes are closed directly, and multiprocessing forgets it,
+    lest it wait on the pid once the kernel gives it to another child."""
+    process = r.process
+    r.process = reaped = ReapedProcess(process.pid, process.name, exitcode)
+    if exitcode is not None:
+        process.close()
+    else:
+        popen = process._popen
+        if popen is not None:
+            popen.close()  # runs its finalizer: closes the sentinel and the other pipe
+        multiprocessing.process._children.discard(process)
+    r.closed = True
+    return reaped.pid
+
+
+def _reaped_elsewhere(pid: int) -> bool:
+    """Whether ``pid`` is no longer a child of this process (it exited and was reaped); a
+    zombie stays one (WNOWAIT: nothing is reaped here)."""
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True
+    return False
 
 
 def _fail_futures(pending: dict[int, PendingRequest], message: str, cause: BaseException | None) -> None:

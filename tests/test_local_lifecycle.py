@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -24,8 +25,9 @@ import torch
 from runtime import DeploymentConfig, Engine, EngineUnavailableError, WorkerSupervisorConfig
 from tests import conftest
 from tests.conftest import (child_pids, close_engine, engine_args, free_base_port, group_pids, leftovers,
-                            pid_alive, run_dirs, shm_names, start_engine, tp_parallel,
+                            pid_alive, run_dirs, shm_names, start_engine, supervisor_of, tp_parallel,
                             wait_until)
+from tests.test_kill_matrix import _inode
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaks")]
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,6 +97,46 @@ def test_close_of_an_idle_engine_is_quick():
     started = time.monotonic()
     close_engine(engine)
     assert time.monotonic() - started < 3  # ranks leave on the shutdown message, no SIGTERM grace
+
+
+# Was a bug (fixed; this guards it): WorkerSupervisor._release closed a stopped rank's Process (its
+# spawn pipes) only if its exit code showed at once. When another thread polls the same Process
+# (Process.start, in any thread, first polls every child of the process: in the kill matrix, the
+# next engine starting meanwhile), the thread whose waitpid reaps the rank stores the code a moment
+# later, and the reaper's own waitpid meanwhile fails (ECHILD), which multiprocessing reads as "still
+# running": the reaper skipped the rank and its sentinel stayed open after Engine.close() ("spawn
+# pipes of a closed engine", about once in 7 runs of test_kill_matrix). This test plays that other
+# thread: it reaps the killed rank itself (the I/O thread kept off it by the process lock), then
+# stores the exit code once the reaper has looked (or 0.3 s into its wait), or never (a wait
+# outside multiprocessing), and closes the engine while the reaper runs
+@pytest.mark.parametrize("stored", ["late", "never"])
+def test_close_releases_a_rank_whose_exit_code_another_thread_collected(stored):
+    engine = start_engine()  # one rank: the reaper has no other rank to stop
+    sup = supervisor_of(engine)
+    rank = sup._groups[0].ranks[0]
+    popen = rank.process._popen
+    pipe = (rank.process.sentinel, os.fstat(rank.process.sentinel).st_ino)
+    with sup._process_lock:  # the I/O thread's _dead_rank waits for this: nothing polls the rank meanwhile
+        os.kill(rank.process.pid, signal.SIGKILL)
+        _, status = os.waitpid(rank.process.pid, 0)  # reaped here; multiprocessing's own waits get ECHILD
+    assert wait_until(lambda: sup._reapers, 10), "the group did not fail"
+    reaper = sup._reapers[0]
+
+    def store() -> None:  # as the reaping thread would, once it has the GIL back
+        wait_until(lambda: not reaper.is_alive(), 0.3)
+        popen.returncode = os.waitstatus_to_exitcode(status)
+
+    storing = threading.Thread(target=store, daemon=True)
+    if stored == "late":
+        storing.start()
+    started = time.monotonic()
+    close_engine(engine)
+    closed_s = time.monotonic() - started
+    if stored == "late":
+        storing.join(5)
+    assert rank.closed and rank.process.exitcode == (-signal.SIGKILL if stored == "late" else None), rank.process
+    assert [fd for fd, inode in [pipe] if _inode(fd) == inode] == [], "the rank's spawn pipe is open after close()"
+    assert closed_s < 5, closed_s
 
 
 def test_an_engine_nobody_closed_is_cleaned_up_at_interpreter_exit():
