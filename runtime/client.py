@@ -24,7 +24,10 @@ Why. Handing each request to an I/O thread and each reply back costs two thread
 switches per round trip (tens of µs each under the GIL on a busy machine). So a
 caller sends from its own thread, and a caller blocked in ``call()`` reads the
 replies itself when no other thread does (leader/follower): a lone caller's round
-trip involves no other Python thread of this process.
+trip involves no other Python thread of this process. Such a caller polls for up to
+300 µs before it sleeps (``runtime.spin``; ``PHYRT_CLIENT_SPIN_US``, 0 = off; off on
+a single core): a small request's answer then finds it awake, and a long request
+costs at most that much CPU.
 
 Invariants:
 - The socket is used under ``_sock_lock`` only, and no thread ever blocks on that
@@ -112,6 +115,7 @@ from runtime.futures import resolve
 from runtime.protocol import (DEFAULT_SHM_THRESHOLD, PROTOCOL_VERSION, PayloadEncoder, TensorResolver, numpy_tensor,
                               numpy_view, pack_header, torch_tensor, torch_view, unpack_header)
 from runtime.shm import sweep_stale
+from runtime.spin import CLIENT_SPIN_US, budget_ns, spin
 from runtime.wake_pipe import WakePipe
 
 __all__ = [
@@ -236,6 +240,8 @@ class Client:
         self._shm = address.startswith("ipc://") and shm is not False
         self._shm_threshold = shm_threshold
         self._hb_interval = heartbeat_interval_s
+        # a caller waiting for its answer polls a moment before sleeping (runtime.spin)
+        self._spin_budget = budget_ns("PHYRT_CLIENT_SPIN_US", CLIENT_SPIN_US)
         self._hb_timeout = heartbeat_timeout_s
         self._ids = itertools.count()
         self._lock = threading.Lock()  # pending, held, awaited, the reader, closed
@@ -529,13 +535,18 @@ class Client:
             except zmq.ZMQError as exc:
                 log.warning("dropped a release of result blocks to %s: %s", self.address, exc)
 
-    def _poll(self, poller: zmq.Poller, timeout_s: float, done: list) -> dict:
-        """Holding the socket: send what is queued, wait up to ``timeout_s`` for a message and read it."""
+    def _poll(self, poller: zmq.Poller, timeout_s: float, done: list, spin_budget: int = 0) -> dict:
+        """Holding the socket: send what is queued, wait up to ``timeout_s`` for a message and read it
+        (polling for ``spin_budget`` ns before sleeping: ``runtime.spin``)."""
         self._polling = True
         try:
             if self._outbox:
                 self._flush(done)
-            events = dict(poller.poll(int(timeout_s * 1000) + 1 if timeout_s > 0 and not done else 0))
+            events = None
+            if spin_budget and timeout_s > 0 and not done:
+                events = dict(spin(functools.partial(poller.poll, 0), spin_budget))
+            if not events:
+                events = dict(poller.poll(int(timeout_s * 1000) + 1 if timeout_s > 0 and not done else 0))
         finally:
             self._polling = False
         if self._poll_pipe.fd in events:
@@ -619,7 +630,7 @@ class Client:
                     if wait <= 0:
                         return
                 done: list = []
-                self._poll(poller, wait, done)
+                self._poll(poller, wait, done, self._spin_budget)
                 if done:
                     lock.release()
                     held = False

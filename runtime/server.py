@@ -12,12 +12,17 @@
                                      when a deadline
                                      answered first)
 
-Two I/O threads take turns running the loop above. With an inline engine that holds no
-other request, the looping thread runs a submit itself (``Engine.run_if_idle``) after
-handing the loop to the other thread: an idle server answers in the thread that read
-the request, with no hop to the engine's thread (a hop that cost about as much as the
-rest of the round trip here), and the socket is never left unread while a plugin runs.
-A submit that finds the engine busy goes to the engine's thread, as before.
+With an inline engine, two I/O threads take turns running the loop above. When the
+engine holds no other request, the looping thread runs a submit itself
+(``Engine.run_if_idle``): an idle server answers in the thread that read the request,
+with no hop to the engine's thread (a hop that cost about as much as the rest of the
+round trip here). It gives the loop up first (``_hand_over``, which wakes nobody) and
+takes it back when the request is done; if the request still runs at the other
+thread's next look (every ``_STANDBY_TICK_S``), that thread takes the loop, so the
+socket, pings and deadlines wait at most that long for a long request. A submit that
+finds the engine busy goes to the engine's thread. Before sleeping, the looping
+thread polls for a short while (``runtime.spin``) while the engine holds nothing: a
+thread woken from sleep ran this path about twice as slowly on our machines.
 
 Invariants:
 - One thread runs the loop at a time (``_looper``, under ``_turn``).
@@ -77,14 +82,14 @@ import zmq
 
 from runtime.endpoints import CurveKeys, check_address
 from runtime.errors import EngineUnavailableError, ProtocolError
-from runtime.futures import resolve
 from runtime.metrics import NullMetrics
 from runtime.protocol import (MAX_TENSOR_FRAMES, PROTOCOL_VERSION, TensorResolver, is_request_id, pack_header,
                               unpack_header)
 from runtime.server_requests import (HEADER_FIELDS, OP_FIELDS, InFlight, Rejected, Request, clip, no_frames,
-                                     outcome_of, register_fields, release_blocks, request_tensor, submit_options)
+                                     RunningHere, outcome_of, outcome_of_result, register_fields, release_blocks, request_tensor, submit_options)
 from runtime.server_shm import ClientShm, ShmClientsFull, ShmSessions
 from runtime.shm import sweep_stale
+from runtime.spin import SERVER_SPIN_US, budget_ns, spin
 from runtime.wake_pipe import WakePipe
 
 log = logging.getLogger("phyrt.server")
@@ -94,6 +99,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 MAX_HEADER_BYTES = 16 << 20
 _RECV_BATCH = 256
 _HOUSEKEEPING_S = 1.0
+# how often the standby I/O thread looks whether a request run by the looping thread still runs (then
+# it takes the loop over): the longest a request leaves the socket unread, give or take a GIL switch
+_STANDBY_TICK_S = 0.01
 # plain ints: pyzmq's enum members cost microseconds in every ``&`` and call on the hot path
 _NOBLOCK, _SNDMORE, _POLLIN = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.POLLIN)
 _EVENTS, _RCVMORE = int(zmq.EVENTS), int(zmq.RCVMORE)
@@ -151,11 +159,13 @@ class Server:
         # engine holding no other request runs a submit in the looping thread, which first hands
         # the loop (and the socket) to the other thread, so the socket is never left unread
         # while a plugin runs, and an idle server answers without waking an engine thread
-        self._turn = threading.Condition()
+        self._turn = threading.Lock()
+        self._stopping = threading.Event()  # wakes the standby thread at close
         self._looper: int | None = None
         self._run_here = engine.mode == "inline" and callable(getattr(engine, "run_if_idle", None))
         self._may_run_here = False
-        self._handed_over = False  # the next looper takes over from a thread running a request
+        # the looping thread polls a moment before sleeping (runtime.spin) when it runs requests itself
+        self._spin_budget = budget_ns("PHYRT_SERVER_SPIN_US", SERVER_SPIN_US) if self._run_here else 0
         self._next_housekeeping = time.monotonic() + _HOUSEKEEPING_S
         self._closed = False
         # request tensors are deliberately read-only views of the received frames
@@ -200,8 +210,9 @@ class Server:
 
     def start(self) -> "Server":
         sweep_stale()  # names left by phyrt processes that were killed
+        # the second I/O thread is the standby of a looping thread that runs requests itself
         self._threads = [threading.Thread(target=self._loop_main, name=f"phyrt-server-{i}", daemon=True)
-                         for i in range(2)]
+                         for i in range(2 if self._run_here else 1)]
         self._thread = self._threads[0]
         for thread in self._threads:
             thread.start()
@@ -245,8 +256,7 @@ class Server:
                 self._idle.wait(2.0)  # the engine failed what it held: let those replies go out
                 self._stop = True
                 self._wake()
-                with self._turn:
-                    self._turn.notify_all()
+                self._stopping.set()
                 for thread in self._threads:
                     thread.join(10)
             self._release_sockets()
@@ -282,24 +292,42 @@ class Server:
     # -- the I/O thread ---------------------------------------------------------------
 
     def _loop_main(self) -> None:
-        """One of the two I/O threads: run the loop whenever it is this thread's turn."""
+        """One of the two I/O threads: run the loop whenever it is this thread's turn.
+
+        The thread not looping is the standby: every ``_STANDBY_TICK_S`` it looks whether
+        the loop is free (the looping thread is running a request: ``_hand_over``) and takes
+        it if so. Nobody is woken for a request that ends before the next tick: its thread
+        takes the loop back (``_take_back``). Waking the standby at once cost more than the
+        rest of a small request's round trip here, and a timer armed per request (timerfd)
+        slowed the whole request down more than it saved.
+        """
         me = threading.get_ident()
-        while True:
+        while not self._stop:
             with self._turn:
-                while self._looper is not None and not self._stop:
-                    self._turn.wait()
-                if self._stop:
-                    return
-                self._looper = me
-            self._run()
+                take = self._looper is None and not self._stop
+                if take:
+                    self._looper = me
+            if take:
+                self._run()
+            else:
+                self._stopping.wait(_STANDBY_TICK_S)
 
     def _hand_over(self) -> None:
-        """The looping thread is about to run a request itself: the other thread takes the loop."""
+        """The looping thread is about to run a request itself: the standby thread takes the
+        loop (and the socket) at its next tick, unless this thread takes it back first."""
         with self._turn:
             self._looper = None
-            self._handed_over = True
             self._io_thread_id = None  # this thread's sends wake the next looper from now on
-            self._turn.notify()
+
+    def _take_back(self) -> bool:
+        """After running a request: keep looping (True) unless the other thread took the loop."""
+        me = threading.get_ident()
+        with self._turn:
+            if self._looper is not None or self._stop:
+                return False
+            self._looper = self._io_thread_id = me
+        self._recheck = True  # messages that came meanwhile: read them before sleeping
+        return True
 
     def _run(self) -> None:
         """The loop, until ``close()`` or until this thread handed it over (``_hand_over``)."""
@@ -308,10 +336,9 @@ class Server:
         poller.register(self._router_fd, select.POLLIN)  # edge-triggered: see the module's invariants
         poller.register(self._wake_pipe.fd, select.POLLIN)
         wake_fd = self._wake_pipe.fd
-        # messages may be waiting: read before sleeping (at a hand-over, the thread that handed
-        # over read everything; a message since then left the descriptor readable, or, if that
-        # thread's send took its signal, that thread woke us through the pipe)
-        more, self._handed_over = not self._handed_over, False
+        spin_budget = self._spin_budget
+        poll_now = functools.partial(poller.poll, 0)
+        more = True  # messages may be waiting: read before sleeping
         try:
             while not self._stop:
                 next_housekeeping = self._next_housekeeping
@@ -324,7 +351,11 @@ class Server:
                     if deadline is not None:
                         wait = min(wait, deadline - now)
                     wait_ms = max(0.0, wait) * 1000 + 1
-                events = poller.poll(wait_ms)
+                events = None
+                if spin_budget and wait_ms > 0 and not self._requests:  # (an engine thread at work needs the GIL)
+                    events = spin(poll_now, min(spin_budget, int(wait_ms * 1e6)))
+                if not events:
+                    events = poller.poll(wait_ms)
                 if events and (len(events) > 1 or events[0][0] == wake_fd):
                     self._wake_pipe.drain()
                 self._recheck = False
@@ -355,8 +386,7 @@ class Server:
         except BaseException:  # a bug: log it, and let close() release what is left
             log.exception("the server's I/O thread failed")
             self._stop = True  # the other I/O thread does not take over a broken loop
-            with self._turn:
-                self._turn.notify_all()
+            self._stopping.set()
             self._idle.set()
             self._drained.set()
 
@@ -457,13 +487,11 @@ class Server:
     def _run_here_now(self, req: Request, payload: Any) -> bool:
         """Run ``req`` in this thread if the engine is idle (True: answered or failing like a
         submitted request would); the loop goes to the other I/O thread first."""
-        future: Future = Future()
-        future.set_running_or_notify_cancel()  # it runs once it is decided: not cancellable
+        running = RunningHere()
 
         def before() -> None:
-            req.future = future
+            req.future = running
             self._requests.add(req)
-            future.add_done_callback(functools.partial(self._on_done, req))
             self._hand_over()
 
         try:
@@ -471,7 +499,9 @@ class Server:
         except Exception as exc:  # the plugin's validate_request refused it
             raise Rejected("InvalidRequest", f"{type(exc).__name__}: {exc}") from None
         if ran:
-            resolve(future, result, error)
+            running.finished = True
+            self._finish(req, outcome_of_result(req, result, error))  # sends the reply
+            self._take_back()
         return ran
 
     def _op_cancel(self, identity: bytes, request_id: Any, header: dict, frames: list, client: Any) -> None:
@@ -544,7 +574,9 @@ class Server:
     def _on_done(self, req: Request, future: Future) -> None:
         """Runs where the future completed: encode and send the reply here, unless a
         deadline answered first (then the I/O thread finishes it)."""
-        outcome = outcome_of(req, future)
+        self._finish(req, outcome_of(req, future))
+
+    def _finish(self, req: Request, outcome: Any) -> None:
         if not self._requests.claim_reply(req, outcome):
             self._wake()
             return

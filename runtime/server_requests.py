@@ -70,8 +70,9 @@ class Request:
     __slots__ = ("identity", "id", "future", "timeout_s", "client", "shm_results", "holds_inputs", "replied",
                  "notify_inputs", "deadline", "arrived")
 
-    def __init__(self, identity: bytes, id: Any, future: Future | None = None, timeout_s: float | None = None,
-                 client: ClientShm | None = None, shm_results: bool = False, holds_inputs: bool = False,
+    def __init__(self, identity: bytes, id: Any, future: "Future | RunningHere | None" = None,
+                 timeout_s: float | None = None, client: ClientShm | None = None, shm_results: bool = False,
+                 holds_inputs: bool = False,
                  replied: bool = False, notify_inputs: bool = False, deadline: float | None = None,
                  arrived: float | None = None) -> None:
         self.identity = identity
@@ -247,16 +248,39 @@ def clip(text: str) -> str:
 
 def outcome_of(req: Request, future: Future) -> Outcome:
     """The reply to ``req`` once ``future`` is done; runs on the thread that completed it."""
+    if future.cancelled():
+        return Outcome(error=("Cancelled", "the request was cancelled while queued"))
     try:
-        if future.cancelled():
-            return Outcome(error=("Cancelled", "the request was cancelled while queued"))
-        try:
-            result = future.result(0)  # done: one look at it, not three
-        except BaseException as exc:  # what the engine failed it with
-            return Outcome(error=_error_of(exc))
+        result = future.result(0)  # done: one look at it, not three
+    except BaseException as exc:  # what the engine failed it with
+        return outcome_of_result(req, None, exc)
+    return outcome_of_result(req, result, None)
+
+
+def outcome_of_result(req: Request, result: Any, error: BaseException | None) -> Outcome:
+    """The reply to ``req`` given what running it gave: ``result``, or ``error`` (not None)."""
+    try:
+        if error is not None:
+            return Outcome(error=_error_of(error))
         return _encode_result(req, result)
     except BaseException as exc:  # never let a callback lose a reply
         return Outcome(error=("PluginError", clip(f"the result could not be sent: {type(exc).__name__}: {exc}")))
+
+
+class RunningHere:
+    """What stands for the future of a request a server thread runs itself (``Request.future``):
+    running from the start, so never cancelled; done once ``finished``."""
+
+    __slots__ = ("finished",)
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def cancel(self) -> bool:
+        return False
+
+    def done(self) -> bool:
+        return self.finished
 
 
 def _encode_result(req: Request, result: Any) -> Outcome:

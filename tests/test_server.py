@@ -483,3 +483,37 @@ def test_a_deadline_racing_a_completion_answers_once(inline_server):
     assert sorted(replies.values()) == [1] * len(replies) and len(replies) == 61
     assert any(isinstance(o, DeadlineExceededError) for o in outcomes)
     assert wait_until(lambda: len(inline_server._requests) == 0, 5)
+
+
+@pytest.mark.timeout(60)
+def test_a_request_running_in_a_server_thread_still_gets_its_deadline_and_cannot_be_cancelled(inline_server):
+    """The standby thread takes the loop from a thread running a long request: that request's
+    deadline is answered while it runs, and a cancel of it says it is running."""
+    with Client(inline_server.address) as client:
+        assert client.call({"warm": 1}, timeout=30) == {"warm": 1}
+        started = time.monotonic()
+        slow = client.submit({"sleep": 1.5}, timeout=0.3)
+        time.sleep(0.1)
+        assert client.cancel(slow, timeout=5) is False  # running: not cancellable
+        with pytest.raises(DeadlineExceededError, match="still running"):
+            slow.result(10)
+        assert time.monotonic() - started < 1.2  # answered before the request ended
+        assert client.call({"after": 1}, timeout=30) == {"after": 1}  # queued behind it, then served
+    assert wait_until(lambda: len(inline_server._requests) == 0, 5)
+    replies = [h for _, h in inline_server.sent if h.get("op") == "submit" and h.get("id") == slow.request_id]
+    assert len(replies) == 1 and replies[0]["error"]["type"] == "DeadlineExceeded"
+
+
+@pytest.mark.timeout(60)
+def test_an_idle_server_and_a_waiting_client_do_not_spin(inline_server):
+    """The short polls before sleeping (runtime.spin) end: an idle server costs no CPU, and a
+    caller waiting for a long request costs little."""
+    with Client(inline_server.address) as client:
+        for i in range(50):
+            assert client.call({"i": i}, timeout=30) == {"i": i}
+        before = time.process_time()  # this process: the server's threads and the client's
+        time.sleep(1.0)
+        assert time.process_time() - before < 0.1
+        before = time.thread_time()
+        assert client.call({"sleep": 0.5}, timeout=30) == {"sleep": 0.5}
+        assert time.thread_time() - before < 0.1
