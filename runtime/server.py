@@ -85,8 +85,9 @@ from runtime.errors import EngineUnavailableError, ProtocolError
 from runtime.metrics import NullMetrics
 from runtime.protocol import (MAX_TENSOR_FRAMES, PROTOCOL_VERSION, TensorResolver, is_request_id, pack_header,
                               unpack_header)
-from runtime.server_requests import (HEADER_FIELDS, OP_FIELDS, InFlight, Rejected, Request, clip, no_frames,
-                                     RunningHere, outcome_of, outcome_of_result, register_fields, release_blocks, request_tensor, submit_options)
+from runtime.server_requests import (HEADER_FIELDS, OP_FIELDS, InFlight, Rejected, Request, RunningHere, clip,
+                                     no_frames, outcome_of, outcome_of_result, register_fields, release_blocks,
+                                     request_tensor, submit_options)
 from runtime.server_shm import ClientShm, ShmClientsFull, ShmSessions
 from runtime.shm import sweep_stale
 from runtime.spin import SERVER_SPIN_US, budget_ns, spin
@@ -156,9 +157,9 @@ class Server:
         self._thread: threading.Thread | None = None
         self._threads: list[threading.Thread] = []
         # Two I/O threads take turns running the loop (``_looper`` under ``_turn``): an inline
-        # engine holding no other request runs a submit in the looping thread, which first hands
-        # the loop (and the socket) to the other thread, so the socket is never left unread
-        # while a plugin runs, and an idle server answers without waking an engine thread
+        # engine holding no other request runs a submit in the looping thread, which gives the
+        # loop up first; the standby thread takes it within _STANDBY_TICK_S if the request still
+        # runs, so an idle server answers without waking any other thread (module docstring)
         self._turn = threading.Lock()
         self._stopping = threading.Event()  # wakes the standby thread at close
         self._looper: int | None = None
