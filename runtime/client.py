@@ -493,9 +493,24 @@ class Client:
                 self._complete(failed)
 
     def _flush(self, failed: list) -> None:
-        """Holding the socket: send the outbox, then the releases that wait for a ride; the futures
+        """Holding the socket: send the releases that wait for a ride, then the outbox; the futures
         of what could not go into ``failed``."""
         sock = self._sock
+        # releases first: a server runs a request in the thread that read it only if no message
+        # came after it (one that did must not wait for it), and a release needs no answer
+        session = self._session
+        while session is not None and session.released and self._sock_open and self._outbox:
+            blocks = session.take_released()
+            if not blocks:
+                break
+            try:
+                sock.send(pack_header({"v": PROTOCOL_VERSION, "op": "release", "id": "release", "blocks": blocks}),
+                          _NOBLOCK)
+            except zmq.Again:  # the queue is full: they ride with a later message
+                session.released.extendleft(tuple(b) for b in reversed(blocks))
+                break
+            except zmq.ZMQError as exc:
+                log.warning("dropped a release of result blocks to %s: %s", self.address, exc)
         while self._outbox:
             request_id, frames = self._outbox.popleft()
             if not self._sock_open:
@@ -520,20 +535,6 @@ class Client:
                     p.session.free(p.blocks)
                 failed.append((p.future, None, ConnectionLostError.for_request(f"{reason}: {self.address}",
                                                                                request_id)))
-        # after the requests: a send may cost this thread its CPU, and the requests should not wait
-        session = self._session
-        while session is not None and session.released and self._sock_open:
-            blocks = session.take_released()
-            if not blocks:
-                break
-            try:
-                sock.send(pack_header({"v": PROTOCOL_VERSION, "op": "release", "id": "release", "blocks": blocks}),
-                          _NOBLOCK)
-            except zmq.Again:  # the queue is full: they ride with a later message
-                session.released.extendleft(tuple(b) for b in reversed(blocks))
-                break
-            except zmq.ZMQError as exc:
-                log.warning("dropped a release of result blocks to %s: %s", self.address, exc)
 
     def _poll(self, poller: zmq.Poller, timeout_s: float, done: list, spin_budget: int = 0) -> dict:
         """Holding the socket: send what is queued, wait up to ``timeout_s`` for a message and read it

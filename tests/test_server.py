@@ -517,3 +517,20 @@ def test_an_idle_server_and_a_waiting_client_do_not_spin(inline_server):
         before = time.thread_time()
         assert client.call({"sleep": 0.5}, timeout=30) == {"sleep": 0.5}
         assert time.thread_time() - before < 0.1
+
+
+@pytest.mark.timeout(60)
+def test_shared_memory_requests_with_releases_run_where_they_were_received(inline_server):
+    """A dropped result's release rides with the next request, sent before it: the request is
+    still the last message read, so an idle server runs it in the reading thread."""
+    image = np.arange(1 << 18, dtype=np.uint8).reshape(512, 512)  # 256 KiB: shared memory both ways
+    with Client(inline_server.address, heartbeat_interval_s=60.0, heartbeat_timeout_s=120.0) as client:
+        assert client.call({"warm": 1}, timeout=30) == {"warm": 1}  # read with the client's first ping
+        assert wait_until(lambda: client._session is not None and client._session.result_mapper is not None, 10)
+        for i in range(10):
+            result = client.call({"image": image, "i": i}, timeout=30)
+            assert result["i"] == i and np.array_equal(result["image"], image)
+            assert result["image"].base is not None  # a view of the server's block, released when dropped
+            del result
+    submits = [name for name, header in inline_server.sent if header.get("op") == "submit"][1:]
+    assert len(submits) == 10 and set(submits) <= SERVER_THREADS, submits
