@@ -72,9 +72,8 @@ class Request:
 
     def __init__(self, identity: bytes, id: Any, future: "Future | RunningHere | None" = None,
                  timeout_s: float | None = None, client: ClientShm | None = None, shm_results: bool = False,
-                 holds_inputs: bool = False,
-                 replied: bool = False, notify_inputs: bool = False, deadline: float | None = None,
-                 arrived: float | None = None) -> None:
+                 holds_inputs: bool = False, replied: bool = False, notify_inputs: bool = False,
+                 deadline: float | None = None, arrived: float | None = None) -> None:
         self.identity = identity
         self.id = id
         self.future = future

@@ -14,7 +14,9 @@ with no sleep at all; a long wait costs at most the budget of one core, once.
 
 The budget is 0 (off) on a machine with a single usable core, where spinning only
 delays the other side. Environment overrides: ``PHYRT_SERVER_SPIN_US`` and
-``PHYRT_CLIENT_SPIN_US`` (microseconds; 0 turns it off).
+``PHYRT_CLIENT_SPIN_US`` (microseconds; 0 turns it off). The supervisor's reading
+caller has its own shorter poll (``supervisor.SPIN_S``, measured without yielding,
+and only when the ranks leave a core free).
 """
 
 from __future__ import annotations
