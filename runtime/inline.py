@@ -5,7 +5,9 @@
 
 Invariants:
 - Requests start in submission order. A request still in the queue can be
-  cancelled (``Future.cancel()``); once the serve thread has taken it, it runs.
+  cancelled (``Future.cancel()``); it runs once the serve thread holds the runner
+  for it (one the serve thread waits with, behind a request ``run_if_idle`` runs,
+  is still queued).
 - A stepped (batching) runner is handed everything queued at each step, so
   concurrent requests share forward passes; an executing runner takes one at a time.
 - A plugin exception fails that request's future with the plugin's own exception
@@ -62,10 +64,16 @@ class InlineExecutor(ReplicaExecutor):
         try:
             while True:
                 # Block for new work only when the runner has nothing left to advance.
-                if not self._admit(block=not core.has_unfinished()):
+                taken, stop = self._take(block=not core.has_unfinished())
+                if stop:
+                    self._give_back(taken, "the engine is closed")
                     return
+                # a request is marked running only once the runner is ours: one that waits
+                # here behind a request run by another thread (run_if_idle) is still queued,
+                # so a deadline can still cancel it
                 with self._exec_lock:
-                    done = core.step()
+                    self._admit(taken)
+                    done = core.step() if core.has_unfinished() else []
                 for request_id, result, error in done:
                     future = self._running.pop(request_id, None)
                     if future is None:
@@ -109,17 +117,25 @@ class InlineExecutor(ReplicaExecutor):
         finally:
             self._exec_lock.release()
 
-    def _admit(self, block: bool) -> bool:
-        """Move queued requests into the core; False once asked to stop."""
+    def _take(self, block: bool) -> tuple[list[tuple[int, Any, Future]], bool]:
+        """Queued requests: one (waiting for it if ``block``), or, for a batching runner, all
+        there are; and True once asked to stop."""
+        taken: list[tuple[int, Any, Future]] = []
         while True:
             try:
                 item = self._queue.get(block=block)
             except queue.Empty:
-                return True
+                return taken, False
             if item is _STOP:
-                return False
-            request_id, request, future = item
+                return taken, True
+            taken.append(item)
             block = False
+            if not self._core.batching:
+                return taken, False
+
+    def _admit(self, taken: list[tuple[int, Any, Future]]) -> None:
+        """Holding the runner: move ``taken`` into the core (those not cancelled meanwhile)."""
+        for request_id, request, future in taken:
             if not future.set_running_or_notify_cancel():
                 continue  # cancelled while queued
             try:
@@ -128,8 +144,11 @@ class InlineExecutor(ReplicaExecutor):
                 future.set_exception(exc)
                 continue
             self._running[request_id] = future
-            if not self._core.batching:
-                return True
+
+    def _give_back(self, taken: list[tuple[int, Any, Future]], reason: str) -> None:
+        for _, _, future in taken:
+            if not future.cancel():
+                _fail(future, reason)
 
     def _fail_running(self, reason: str, cause: BaseException | None = None) -> None:
         running, self._running = self._running, {}

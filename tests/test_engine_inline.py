@@ -14,6 +14,7 @@ import pytest
 from runtime import (DenseParallelConfig, DeploymentConfig, Engine, EngineArgs, EngineConfig,
                      EngineUnavailableError, ParallelConfig)
 from tests import plugins
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,3 +205,27 @@ def test_run_if_idle_runs_in_the_calling_thread_only_when_nothing_else_is_held(e
     assert engine.replicas[0].inflight == 0
     engine.close()
     assert engine.run_if_idle({"z": 3}) == (False, None, None)
+
+
+def test_a_request_waiting_behind_one_run_if_idle_runs_can_still_be_cancelled(engine):
+    """The serve thread marks a request running only once it holds the runner: one queued
+    while another thread runs a request (run_if_idle) stays cancellable (a server's deadline
+    cancels it) and never reaches the plugin."""
+    import threading
+
+    plugins.gate.clear()
+    try:
+        here = threading.Thread(target=engine.run_if_idle, args=({"wait_gate": True},), daemon=True)
+        here.start()
+        assert wait_until(lambda: engine.replicas[0].inflight == 1, 5)
+        plugins.log.clear()
+        queued = engine.submit({"queued": 1})
+        time.sleep(0.2)  # the serve thread has taken it from the queue and waits for the runner
+        assert queued.cancel(), "a request not yet running could not be cancelled"
+        later = engine.submit({"later": 1})
+    finally:
+        plugins.gate.set()
+    here.join(10)
+    assert later.result(10) == {"later": 1}
+    assert {"queued": 1} not in plugins.log
+    assert wait_until(lambda: engine.replicas[0].inflight == 0, 5)
