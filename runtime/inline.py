@@ -146,6 +146,7 @@ class InlineExecutor(ReplicaExecutor):
             self._running[request_id] = future
 
     def _give_back(self, taken: list[tuple[int, Any, Future]], reason: str) -> None:
+        """Requests that will not run: cancelled if still possible, else failed with ``reason``."""
         for _, _, future in taken:
             if not future.cancel():
                 _fail(future, reason)
@@ -162,10 +163,7 @@ class InlineExecutor(ReplicaExecutor):
             except queue.Empty:
                 return
             if item is not _STOP:
-                future = item[2]
-                if future.cancel():
-                    continue
-                _fail(future, reason)
+                self._give_back([item], reason)
 
     # -- shutdown ------------------------------------------------------------------
 

@@ -85,8 +85,8 @@ from runtime.errors import EngineUnavailableError, ProtocolError
 from runtime.metrics import NullMetrics
 from runtime.protocol import (MAX_TENSOR_FRAMES, PROTOCOL_VERSION, TensorResolver, is_request_id, pack_header,
                               unpack_header)
-from runtime.server_requests import (HEADER_FIELDS, OP_FIELDS, InFlight, Rejected, Request, RunningHere, clip,
-                                     no_frames, outcome_of, outcome_of_result, register_fields, release_blocks,
+from runtime.server_requests import (HEADER_FIELDS, OP_FIELDS, InFlight, Outcome, Rejected, Request, RunningHere,
+                                     clip, no_frames, outcome_of, outcome_of_result, register_fields, release_blocks,
                                      request_tensor, submit_options)
 from runtime.server_shm import ClientShm, ShmClientsFull, ShmSessions
 from runtime.shm import sweep_stale
@@ -163,7 +163,7 @@ class Server:
         self._turn = threading.Lock()
         self._stopping = threading.Event()  # wakes the standby thread at close
         self._looper: int | None = None
-        self._run_here = engine.mode == "inline" and callable(getattr(engine, "run_if_idle", None))
+        self._run_here = engine.mode == "inline"  # (Engine.run_if_idle declines in other modes anyway)
         self._may_run_here = False
         # the looping thread polls a moment before sleeping (runtime.spin) when it runs requests itself
         self._spin_budget = budget_ns("PHYRT_SERVER_SPIN_US", SERVER_SPIN_US) if self._run_here else 0
@@ -320,15 +320,15 @@ class Server:
             self._looper = None
             self._io_thread_id = None  # this thread's sends wake the next looper from now on
 
-    def _take_back(self) -> bool:
-        """After running a request: keep looping (True) unless the other thread took the loop."""
+    def _take_back(self) -> None:
+        """After running a request: keep looping, unless the other thread took the loop (then
+        ``_run`` sees ``_looper`` is another thread's and returns)."""
         me = threading.get_ident()
         with self._turn:
             if self._looper is not None or self._stop:
-                return False
+                return
             self._looper = self._io_thread_id = me
         self._recheck = True  # messages that came meanwhile: read them before sleeping
-        return True
 
     def _run(self) -> None:
         """The loop, until ``close()`` or until this thread handed it over (``_hand_over``)."""
@@ -487,7 +487,7 @@ class Server:
 
     def _run_here_now(self, req: Request, payload: Any) -> bool:
         """Run ``req`` in this thread if the engine is idle (True: answered or failing like a
-        submitted request would); the loop goes to the other I/O thread first."""
+        submitted request would); the loop is given up first (``_hand_over``)."""
         running = RunningHere()
 
         def before() -> None:
@@ -577,7 +577,7 @@ class Server:
         deadline answered first (then the I/O thread finishes it)."""
         self._finish(req, outcome_of(req, future))
 
-    def _finish(self, req: Request, outcome: Any) -> None:
+    def _finish(self, req: Request, outcome: Outcome) -> None:
         if not self._requests.claim_reply(req, outcome):
             self._wake()
             return
