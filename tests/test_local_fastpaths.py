@@ -275,6 +275,9 @@ def test_a_step_whose_request_failed_before_it_waited_leaves_the_reading_to_othe
         sup = supervisor_of(engine)
         victim = engine._dispatcher.executors[0]
         [pid] = group_pids(engine, 0)
+        # the I/O thread takes the role a moment to give result blocks of the warm-up back: a
+        # submit reserves it only when it is free
+        assert wait_until(lambda: sup._reader is None and not sup._frees_waiting(), 10)
         future = victim.submit({"op": "sleep", "s": 30.0}, lead=True)  # as Engine.step submits
         assert sup._reader == threading.get_ident()
         os.kill(pid, signal.SIGKILL)
