@@ -133,6 +133,7 @@ _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 _SUBMIT_HEAD = b"\xa1v" + msgpack.packb(PROTOCOL_VERSION) + b"\xa2op\xa6submit\xa2id"
 _TIMEOUT_KEY, _SHM_RESULTS, _PAYLOAD_KEY = msgpack.packb("timeout_s"), msgpack.packb("shm_results") + b"\xc3", \
     msgpack.packb("payload")
+_RELEASE_KEY = msgpack.packb("release")
 _CALL_LOCK = threading.Lock()  # completes _Calls (any thread may try; the first wins)
 
 
@@ -199,15 +200,17 @@ class _Call:
 
 
 class _Pending:
-    __slots__ = ("future", "op", "sent_at", "blocks", "session")
+    __slots__ = ("future", "op", "sent_at", "blocks", "session", "released")
 
     def __init__(self, future: Any, op: str, sent_at: float, blocks: list[tuple[str, int]] | None = None,
-                 session: ShmSession | None = None) -> None:
+                 session: ShmSession | None = None, released: list[list[Any]] | None = None) -> None:
         self.future = future
         self.op = op
         self.sent_at = sent_at
         self.blocks = blocks if blocks is not None else []
         self.session = session
+        #: result blocks whose release rides in this submit's header (given back if it is not sent)
+        self.released = released
 
 
 class Client:
@@ -400,13 +403,15 @@ class Client:
             if session is not None:
                 session.free(encoder.blocks)
             raise
+        # dropped results' blocks ride in the header: one message for the server to read, not two
+        released = session.take_released() if session is not None and session.released else None
         header = _submit_header(request_id, timeout, session is not None and session.result_mapper is not None,
-                                packed.data)
+                                packed.data, released)
         if future is None:
             future = _Call(request_id)
         else:
             future.request_id = request_id  # type: ignore[attr-defined]  # for Client.cancel
-        self._send(request_id, _Pending(future, "submit", time.monotonic(), encoder.blocks, session),
+        self._send(request_id, _Pending(future, "submit", time.monotonic(), encoder.blocks, session, released),
                    [header, *encoder.frames] if encoder.frames else [header], kick)
         return future
 
@@ -533,6 +538,8 @@ class Client:
             if p is not None:
                 if p.session is not None:
                     p.session.free(p.blocks)
+                    if p.released:  # their release rides with a later message
+                        p.session.released.extendleft((b[0], b[1]) for b in reversed(p.released))
                 failed.append((p.future, None, ConnectionLostError.for_request(f"{reason}: {self.address}",
                                                                                request_id)))
 
@@ -869,14 +876,17 @@ class Client:
             sweep_stale()  # the server's unreleased result segments, if it was killed
 
 
-def _submit_header(request_id: int, timeout: float | None, shm_results: bool, payload: bytes) -> bytes:
+def _submit_header(request_id: int, timeout: float | None, shm_results: bool, payload: bytes,
+                   release: list[list[Any]] | None = None) -> bytes:
     """``pack_header`` of a submit, built by hand: the same bytes, a few microseconds sooner."""
-    fields = 4 + (timeout is not None) + shm_results
+    fields = 4 + (timeout is not None) + shm_results + bool(release)
     parts = [bytes((0x80 | fields,)), _SUBMIT_HEAD, msgpack.packb(request_id)]
     if timeout is not None:
         parts += (_TIMEOUT_KEY, msgpack.packb(float(timeout)))
     if shm_results:
         parts.append(_SHM_RESULTS)
+    if release:
+        parts += (_RELEASE_KEY, msgpack.packb(release))
     parts += (_PAYLOAD_KEY, payload)
     return b"".join(parts)
 

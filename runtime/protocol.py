@@ -26,7 +26,8 @@ Requests (client -> server), always ``{"v": 1, "op": OP, "id": ID, ...}``; ``ID`
 an int in [0, 2**64) or a str of at most 128 characters, chosen by the client and
 unique among that connection's requests in flight:
 
-    submit    payload, [timeout_s: seconds, the request's deadline], [shm_results: bool]
+    submit    payload, [timeout_s: seconds, the request's deadline], [shm_results: bool],
+              [release: blocks, as a release's; freed once the request is answered or queued]
     cancel    target: the id of a submit (only a request still queued on an inline
               engine can be cancelled; local replicas run what they were sent)
     ping      -                       -> {server_id, time}
@@ -52,8 +53,9 @@ server is done with it: at the request's reply, or, if that reply said
 ``inputs_done``. Results: with ``shm_results`` the server places large result
 tensors in an arena it keeps for that connection, and never touches a block again
 until the client sends its ``release``; the client hands the caller views of the
-blocks (no copy) and sends ``release`` once those are collected (with its next
-message, at the latest with its next heartbeat). A release's first use of a
+blocks (no copy) and gives them back once those are collected: in its next submit's
+``release`` field, or as a ``release`` sent before its next other message, at the latest
+with its next heartbeat. A release's first use of a
 segment also tells the server the client has mapped it, so the server unlinks
 that name. The server drops a connection's shared memory (and unlinks what is
 left) when the ``pid`` it registered with is gone, or after ``client_timeout_s`` of
@@ -88,6 +90,7 @@ import msgpack
 import numpy as np
 import zmq
 
+from runtime import bulk_copy
 from runtime.errors import ProtocolError
 
 PROTOCOL_VERSION = 1
@@ -211,7 +214,7 @@ class PayloadEncoder:
             if placed is not None:
                 segment, offset, view = placed
                 self.blocks.append((segment, offset))
-                np.frombuffer(view, dtype=np.uint8)[:] = flat
+                bulk_copy.copy(np.frombuffer(view, dtype=np.uint8), flat)
                 return msgpack.ExtType(EXT_SHM, msgpack.packb([segment, offset, name, shape]))
         if len(self.frames) >= MAX_TENSOR_FRAMES:
             raise ValueError(f"a message carries at most {MAX_TENSOR_FRAMES} tensors as frames")

@@ -455,8 +455,22 @@ class Server:
 
     def _op_submit(self, identity: bytes, request_id: Any, header: dict, frames: list, client: ClientShm | None,
                    tensors: bool = True) -> None:
-        """``tensors``: the header holds tensor references (False: the payload is plain data)."""
+        """``tensors``: the header holds tensor references (False: the payload is plain data).
+
+        The result blocks a submit's ``release`` gives back are freed once the request is
+        answered or handed to the engine: a request run here waits for nothing but its run."""
         timeout_s, shm_results = submit_options(header)
+        released = release_blocks(header["release"]) if "release" in header else None
+        if released is None and "release" in header:
+            raise ProtocolError("release must be a list of at most 4096 [segment, offset] blocks")
+        try:
+            self._submit(identity, request_id, header, frames, client, tensors, timeout_s, shm_results)
+        finally:
+            if released and client is not None:
+                client.release(released, mapped=True)
+
+    def _submit(self, identity: bytes, request_id: Any, header: dict, frames: list, client: ClientShm | None,
+                tensors: bool, timeout_s: float | None, shm_results: bool) -> None:
         if not self._accepting:
             raise Rejected("EngineUnavailable", "the server is shutting down")
         if len(self._requests) >= self._max_inflight:
@@ -545,7 +559,7 @@ class Server:
 
     def _op_release(self, identity: bytes, request_id: Any, header: dict, frames: list,
                     client: ClientShm | None) -> None:
-        keys = release_blocks(header)
+        keys = release_blocks(header.get("blocks"))
         if frames or client is None or keys is None:
             return  # nothing to answer: a bad release only fails to free its sender's own blocks
         client.release(keys, mapped=True)

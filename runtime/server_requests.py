@@ -46,7 +46,7 @@ RESULT_SHM_THRESHOLD = 64 * 1024
 MAX_MESSAGE_CHARS = 2000
 #: the fields each op may carry besides HEADER_FIELDS; anything else is refused
 OP_FIELDS = {
-    "submit": frozenset({"payload", "timeout_s", "shm_results"}),
+    "submit": frozenset({"payload", "timeout_s", "shm_results", "release"}),
     "cancel": frozenset({"target"}),
     "ping": frozenset(),
     "info": frozenset(),
@@ -135,9 +135,9 @@ def register_fields(header: dict[str, Any]) -> tuple[Any, list[str], int | None]
     return run_id, segments, pid
 
 
-def release_blocks(header: dict[str, Any]) -> list[tuple[str, int]] | None:
-    """A release's well-formed ``[segment, offset]`` pairs; None if ``blocks`` is not a list of at most 4096."""
-    blocks = header.get("blocks")
+def release_blocks(blocks: Any) -> list[tuple[str, int]] | None:
+    """The well-formed ``[segment, offset]`` pairs of a release's ``blocks`` (or a submit's
+    ``release``); None if ``blocks`` is not a list of at most 4096."""
     if not isinstance(blocks, list) or len(blocks) > 4096:
         return None
     return [(b[0], b[1]) for b in blocks if isinstance(b, list) and len(b) == 2

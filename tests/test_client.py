@@ -794,13 +794,16 @@ def test_a_header_with_a_packed_payload_is_the_plain_header():
                    {"v": 1, "op": "submit", "id": 2**40, "ok": True, "result": packed, "inputs_held": True}):
         plain = {k: (payload if v is packed else v) for k, v in header.items()}
         assert msgpack.unpackb(pack_header(header)) == plain
-    for timeout, shm in ((None, False), (0.5, True), (3, False)):
+    for timeout, shm, release in ((None, False, None), (0.5, True, [["seg", 64]]), (3, False, []),
+                                  (None, True, [["a", 0], ["b", 1 << 40]])):
         plain = {"v": 1, "op": "submit", "id": 9, "payload": payload}
         if timeout is not None:
             plain["timeout_s"] = float(timeout)
         if shm:
             plain["shm_results"] = True
-        assert msgpack.unpackb(_submit_header(9, timeout, shm, packed.data)) == plain
+        if release:
+            plain["release"] = release
+        assert msgpack.unpackb(_submit_header(9, timeout, shm, packed.data, release)) == plain
 
 
 @pytest.mark.parametrize("raw, match", [

@@ -521,8 +521,8 @@ def test_an_idle_server_and_a_waiting_client_do_not_spin(inline_server):
 
 @pytest.mark.timeout(60)
 def test_shared_memory_requests_with_releases_run_where_they_were_received(inline_server):
-    """A dropped result's release rides with the next request, sent before it: the request is
-    still the last message read, so an idle server runs it in the reading thread."""
+    """A dropped result's release rides in the next request's header: the request is still the
+    last message read, so an idle server runs it in the reading thread."""
     image = np.arange(1 << 18, dtype=np.uint8).reshape(512, 512)  # 256 KiB: shared memory both ways
     with Client(inline_server.address, heartbeat_interval_s=60.0, heartbeat_timeout_s=120.0) as client:
         assert client.call({"warm": 1}, timeout=30) == {"warm": 1}  # read with the client's first ping
@@ -534,3 +534,56 @@ def test_shared_memory_requests_with_releases_run_where_they_were_received(inlin
             del result
     submits = [name for name, header in inline_server.sent if header.get("op") == "submit"][1:]
     assert len(submits) == 10 and set(submits) <= SERVER_THREADS, submits
+
+
+@pytest.mark.timeout(60)
+def test_dropped_results_are_given_back_in_the_next_submit_and_a_bad_release_field_is_refused(inline_server):
+    """Releases ride in submits (no release message of their own) and free the blocks: the
+    server holds only the result still alive. A submit whose ``release`` is not a list of
+    blocks gets InvalidRequest, one naming blocks that are not its own frees nothing, and the
+    server goes on serving."""
+    import msgpack
+    import zmq
+
+    ops: list[str] = []
+    handle = inline_server._handle
+
+    def recording_handle(identity, frames):
+        header = frames[0]
+        ops.append(msgpack.unpackb(header.buffer if isinstance(header, zmq.Frame) else header).get("op"))
+        return handle(identity, frames)
+
+    inline_server._handle = recording_handle
+    image = np.arange(1 << 18, dtype=np.uint8).reshape(512, 512)  # 256 KiB: shared memory both ways
+    with Client(inline_server.address, heartbeat_interval_s=60.0, heartbeat_timeout_s=120.0) as client:
+        assert client.call({"warm": 1}, timeout=30) == {"warm": 1}
+        assert wait_until(lambda: client._session is not None and client._session.result_mapper is not None, 10)
+        shm = next(iter(inline_server._shm._clients.values()))
+        for i in range(20):
+            result = client.call({"image": image, "i": i}, timeout=30)
+            assert np.array_equal(result["image"], image)
+            del result
+            assert len(shm._outstanding) == 1  # the one just dropped; the rest came back with submits
+        assert ops.count("submit") == 21 and "release" not in ops, ops
+        assert len(shm._arena.segments) == 1
+
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(inline_server.address)
+        try:
+            for i, release in enumerate(["junk", [["x", 0]] * 4097, {"a": 1}]):
+                sock.send(msgpack.packb({"v": 1, "op": "submit", "id": i, "payload": {"i": i}, "release": release}))
+                assert sock.poll(10_000)
+                reply = msgpack.unpackb(sock.recv())
+                assert reply["id"] == i and reply["ok"] is False, reply
+                assert reply["error"]["type"] == "InvalidRequest" and "release" in reply["error"]["message"]
+            # well-formed, but not this connection's blocks (it registered none): answered, nothing freed
+            (key, nbytes), = list(shm._outstanding.items()) or [(None, None)]
+            sock.send(msgpack.packb({"v": 1, "op": "submit", "id": 9, "payload": {"i": 9},
+                                     "release": [list(key) if key else ["x", 0], [1, 2], "junk"]}))
+            assert sock.poll(10_000)
+            assert msgpack.unpackb(sock.recv()) == {"v": 1, "op": "submit", "id": 9, "ok": True, "result": {"i": 9}}
+        finally:
+            sock.close(0)
+        assert len(shm._outstanding) == 1  # another connection cannot give back this client's block
+        assert client.call({"i": 10}, timeout=30) == {"i": 10}
