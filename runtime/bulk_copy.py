@@ -14,8 +14,10 @@ chunk the helper is copying, so the split copy is never much slower than a plain
 
 ``PHYRT_COPY_THREADS`` sets how many threads share a copy (the caller included; 1
 turns helpers off). The default is 2 where two cores are usable, else 1. Copies under
-``SPLIT_MIN_BYTES`` are plain. A process forked while a helper runs starts without
-one and makes its own when it first needs it.
+``SPLIT_MIN_BYTES`` are plain. The process's copier (``copy``) and its helper live as
+long as the process (the helper is a daemon thread that sleeps between copies); a
+process forked while a helper runs starts without one and makes its own when it first
+needs it.
 """
 
 from __future__ import annotations
@@ -140,6 +142,16 @@ def _helper(jobs: queue.SimpleQueue) -> None:
 
 _shared: BulkCopier | None = None
 _shared_lock = threading.Lock()
+
+
+def _forget_shared() -> None:
+    """In a forked child: the parent's helper is not there, and its lock may have been held."""
+    global _shared, _shared_lock
+    _shared, _shared_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_shared)
 
 
 def copy(dst: np.ndarray, src: np.ndarray) -> None:
