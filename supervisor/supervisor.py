@@ -22,7 +22,8 @@ they are watched whoever reads the answers. When the machine has a core to spare
 (more cores than ranks), the reading caller polls for up to ``SPIN_S`` (100 µs;
 environment ``PHYRT_SPIN_US``, 0 turns it off) before it sleeps in ``poll``: a
 short answer then costs no wake-up of a sleeping thread, and a long one at most
-that much of one core.
+that much of one core. Each rank likewise looks for its next request for up to
+``runtime.spin.WORKER_SPIN_US`` after an answer (``worker_spin_ns``, sent in its boot).
 
 Invariants:
 - The ctl ROUTER is used only by the thread holding the reader role
@@ -98,6 +99,7 @@ from runtime.config import EngineArgs, WorkerSupervisorConfig, dtype_name
 from runtime.errors import EngineUnavailableError, ProtocolError, RemoteError, WorkerStartupError
 from runtime.futures import resolve
 from runtime.shm import ShmArena, ShmMapper, new_run_id, sweep_creators, sweep_run, sweep_stale
+from runtime.spin import WORKER_SPIN_US, budget_ns
 from runtime.wake_pipe import WakePipe
 from supervisor.groups import (GroupState, LockedArena, PendingRequest, RankState, ReapedProcess, ResultMapper,
                               free_blocks)
@@ -209,7 +211,10 @@ class WorkerSupervisor:
             for i in range(len(placement)):
                 check_port_free(self.config.base_port + i, i)
         total = sum(len(p) for p in placement)
-        self._spin_s = SPIN_S if total < len(os.sched_getaffinity(0)) else 0.0
+        spare_core = total < len(os.sched_getaffinity(0))
+        self._spin_s = SPIN_S if spare_core else 0.0
+        # a rank looks for the next request a moment after answering one (see runtime.spin)
+        self.worker_spin_ns = budget_ns("PHYRT_WORKER_SPIN_US", WORKER_SPIN_US) if spare_core else 0
         # the engine process needs a core's share too (it encodes and copies tensors)
         threads = max(1, (os.cpu_count() or 1) // (total + 1))
         device_cfg = self._args.config.device
@@ -237,7 +242,7 @@ class WorkerSupervisor:
                     "plugin_args": self._args.plugin_args, "port": self.config.base_port + replica,
                     "threads": threads, "heartbeat_interval_s": self.config.heartbeat_interval_s,
                     "startup_timeout_s": self.config.startup_timeout_s, "arena_bytes": ARENA_BYTES,
-                    "premap": arena.segments,
+                    "premap": arena.segments, "spin_ns": self.worker_spin_ns,
                 }, use_bin_type=True)
                 process = mp.Process(target=worker_main, args=(boot,), name=f"phyrt-r{replica}-{rank}",
                                      daemon=True)

@@ -11,7 +11,8 @@
   thread reads) reads it itself: it needs no other thread of the engine, it completes
   other callers' futures it reads meanwhile, a step that times out hands the reading
   on, and a rank's death reaches it at once; waiting on a long request, it sleeps
-  (after at most a short poll).
+  (after at most a short poll). A rank polls a moment for its next request after each
+  answer, only when the ranks leave a core free, and then sleeps.
 - ``EngineCore.run``, the rank's one-call path for an executing runner, is ``add``
   then ``step``; ``runtime.futures.resolve`` completes once and never raises.
 """
@@ -265,6 +266,32 @@ def test_a_caller_waiting_on_a_long_request_does_not_burn_a_core():
         # at most the short poll before sleeping (supervisor.SPIN_S, 100 µs), plus the round
         # trip's own work: not half a second of polling
         assert time.thread_time() - cpu < 0.1
+
+
+@pytest.mark.usefixtures("no_leaks")
+def test_a_rank_looks_for_its_next_request_a_moment_after_answering_then_sleeps():
+    """Each rank polls for up to WORKER_SPIN_US after an answer when the ranks leave the engine
+    process a core (0 otherwise), and sleeps after it: an idle rank costs no CPU."""
+    import psutil
+
+    from runtime.spin import WORKER_SPIN_US
+
+    cores = len(os.sched_getaffinity(0))
+    with local_engine(replicas=1) as engine:
+        sup = supervisor_of(engine)
+        assert sup.worker_spin_ns == (WORKER_SPIN_US * 1000 if cores > 1 else 0)
+        [pid] = group_pids(engine, 0)
+        rank = psutil.Process(pid)
+        for _ in range(20):
+            engine.step({"op": "pid"}, timeout=30)
+        time.sleep(0.1)
+        before = rank.cpu_times()
+        time.sleep(1.0)
+        after = rank.cpu_times()
+        assert (after.user + after.system) - (before.user + before.system) < 0.1
+    if cores > 1:
+        with local_engine(replicas=cores) as engine:  # a rank per core: nothing to spare
+            assert supervisor_of(engine).worker_spin_ns == 0
 
 
 @pytest.mark.usefixtures("no_leaks")

@@ -53,6 +53,7 @@ is the fallback.
 from __future__ import annotations
 
 import ctypes
+import functools
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -69,6 +70,7 @@ import zmq
 
 from runtime import wire
 from runtime.shm import ShmArena, ShmMapper
+from runtime.spin import spin
 
 #: inline tensors up to this size; larger CPU tensors go through shared memory
 INLINE_LIMIT = 64 * 1024
@@ -272,12 +274,24 @@ def _serve(ctl: zmq.Socket, inbox: zmq.Socket, core: Any, arena: ShmArena, mappe
     poll_items = [(ctl, _POLLIN), (inbox, _POLLIN)]
     request_types, ctl_types = frozenset({"request"}), frozenset({"free", "shutdown"})
     batching = core.batching
+    spin_budget = boot["spin_ns"]  # after an answer: look for the next request before sleeping
+    served = False
+    poll_now = functools.partial(zmq.zmq_poll, poll_items, 0)
     while True:
         # Block for messages only while the runner has something to advance (an executing
         # one never has: it runs each request as it is taken). The poll is level-triggered:
         # what is still queued after this pass shows in the next one.
         done: list = []
-        for sock, _ in zmq.zmq_poll(poll_items, 0 if batching and core.has_unfinished() else -1):
+        events = None
+        if batching and core.has_unfinished():
+            events = zmq.zmq_poll(poll_items, 0)
+        else:
+            if served and spin_budget:
+                events = spin(poll_now, spin_budget)
+            if not events:
+                events = zmq.zmq_poll(poll_items, -1)
+        served = False
+        for sock, _ in events:
             if sock is ctl:
                 while True:
                     msg = wire.unpack_message(ctl.recv(), expected_types=ctl_types)
@@ -310,6 +324,7 @@ def _serve(ctl: zmq.Socket, inbox: zmq.Socket, core: Any, arena: ShmArena, mappe
             if error is not None:
                 reply = wire.pack_message("done", request_id, ok=False, **_error_fields(error))
             ctl.send(reply)
+            served = True
 
 
 def _shutdown(core: Any, arena: ShmArena | None, mapper: ShmMapper | None) -> None:
