@@ -460,9 +460,11 @@ class Server:
         The result blocks a submit's ``release`` gives back are freed once the request is
         answered or handed to the engine: a request run here waits for nothing but its run."""
         timeout_s, shm_results = submit_options(header)
-        released = release_blocks(header["release"]) if "release" in header else None
-        if released is None and "release" in header:
-            raise ProtocolError("release must be a list of at most 4096 [segment, offset] blocks")
+        released = None
+        if "release" in header:
+            released = release_blocks(header["release"])
+            if released is None:
+                raise ProtocolError("release must be a list of at most 4096 [segment, offset] blocks")
         try:
             self._submit(identity, request_id, header, frames, client, tensors, timeout_s, shm_results)
         finally:
