@@ -1,6 +1,7 @@
 """Copy a large tensor into shared memory with a helper thread taking part.
 
-Leaf module: standard library and numpy only (the torch-free client imports it).
+Imports only ``runtime.spin`` from the project; standard library and numpy otherwise (the
+torch-free client imports it).
 
 A same-host request with an image in it costs two copies of the image: the client's
 into its arena, the server's result into its own. On the machines we measured
@@ -29,6 +30,8 @@ import threading
 
 import numpy as np
 
+from runtime import spin
+
 #: copies smaller than this are done by the caller alone (a helper's wake-up would cost more)
 SPLIT_MIN_BYTES = 1 << 20
 #: the unit the caller and the helpers take in turn
@@ -46,14 +49,7 @@ def threads_from_env() -> int:
         raise ValueError(f"{ENV} must be a whole number of threads, got {raw!r}") from None
     if wanted < 1:
         raise ValueError(f"{ENV} must be at least 1, got {wanted}")
-    return min(wanted, _usable_cores()) if raw is None else wanted
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    return min(wanted, spin.usable_cores()) if raw is None else wanted
 
 
 class _Job:

@@ -42,7 +42,7 @@ def budget_ns(env: str, default_us: float) -> int:
         us = float(raw) if raw is not None else float(default_us)
     except ValueError:
         raise ValueError(f"{env} must be a number of microseconds, got {raw!r}") from None
-    if us <= 0 or _usable_cores() < 2:
+    if us <= 0 or usable_cores() < 2:
         return 0
     return int(us * 1000)
 
@@ -58,7 +58,8 @@ def spin(poll_now: Callable[[], Any], budget: int) -> Any:
         os.sched_yield()
 
 
-def _usable_cores() -> int:
+def usable_cores() -> int:
+    """The cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

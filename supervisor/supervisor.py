@@ -99,7 +99,7 @@ from runtime.config import EngineArgs, WorkerSupervisorConfig, dtype_name
 from runtime.errors import EngineUnavailableError, ProtocolError, RemoteError, WorkerStartupError
 from runtime.futures import resolve
 from runtime.shm import ShmArena, ShmMapper, new_run_id, sweep_creators, sweep_run, sweep_stale
-from runtime.spin import WORKER_SPIN_US, budget_ns
+from runtime.spin import WORKER_SPIN_US, budget_ns, usable_cores
 from runtime.wake_pipe import WakePipe
 from supervisor.groups import (GroupState, LockedArena, PendingRequest, RankState, ReapedProcess, ResultMapper,
                               free_blocks)
@@ -211,7 +211,7 @@ class WorkerSupervisor:
             for i in range(len(placement)):
                 check_port_free(self.config.base_port + i, i)
         total = sum(len(p) for p in placement)
-        spare_core = total < len(os.sched_getaffinity(0))
+        spare_core = total < usable_cores()
         self._spin_s = SPIN_S if spare_core else 0.0
         # a rank looks for the next request a moment after answering one (see runtime.spin)
         self.worker_spin_ns = budget_ns("PHYRT_WORKER_SPIN_US", WORKER_SPIN_US) if spare_core else 0

@@ -119,9 +119,9 @@ def test_thread_count_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
         with pytest.raises(ValueError, match=bulk_copy.ENV):
             bulk_copy.threads_from_env()
     monkeypatch.delenv(bulk_copy.ENV)
-    monkeypatch.setattr(bulk_copy, "_usable_cores", lambda: 1)
+    monkeypatch.setattr(bulk_copy.spin, "usable_cores", lambda: 1)
     assert bulk_copy.threads_from_env() == 1  # no helper where it would only take the caller's core
-    monkeypatch.setattr(bulk_copy, "_usable_cores", lambda: 16)
+    monkeypatch.setattr(bulk_copy.spin, "usable_cores", lambda: 16)
     assert bulk_copy.threads_from_env() == bulk_copy.DEFAULT_THREADS
 
 
