@@ -2,13 +2,13 @@
 process's messages; counts inputs and crashes (there must be none).
 
     target      what decodes it                                       who sends it in production
-    wire        runtime.wire.unpack_message, default decoder           any phyrt peer
+    wire        runtime.transport.wire.unpack_message, default decoder           any phyrt peer
     worker      unpack_message({"request"}, a real ShmMapper) and      the supervisor, to a rank
                 unpack_message({"free", "shutdown"})
     supervisor  unpack_message({"ready", "startup_error", "done"},      a rank, to the supervisor
                 a real ShmMapper)
     server      protocol.unpack_header, the op checks of                any client
-                runtime.server_requests, TensorResolver(request_tensor,
+                runtime.serving.requests, TensorResolver(request_tensor,
                 the segments a client registered), finish()
     client      unpack_header, TensorResolver(numpy_tensor, a result    the server, to a client
                 segment), error_from_reply
@@ -53,11 +53,12 @@ import msgpack
 import numpy as np
 import zmq
 
-from runtime import Engine, EngineArgs, protocol, register_plugin, wire
-from runtime.client_errors import error_from_reply
-from runtime.errors import ProtocolError
-from runtime.plugins import Entry
-from runtime.shm import ShmArena, ShmMapper, new_run_id
+from runtime import Engine, EngineArgs, register_plugin
+from runtime.transport import protocol, wire
+from runtime.client.errors import error_from_reply
+from runtime.core.errors import ProtocolError
+from runtime.core.plugins import Entry
+from runtime.transport.shm import ShmArena, ShmMapper, new_run_id
 
 WORKER_TYPES = frozenset({"request"})
 WORKER_CTL_TYPES = frozenset({"free", "shutdown"})
@@ -102,7 +103,7 @@ class FuzzContext:
     """
 
     def __init__(self) -> None:
-        from runtime.server_shm import ClientShm
+        from runtime.serving.shm import ClientShm
 
         self.run_id = new_run_id()
         self.arena = ShmArena(self.run_id, 1 << 16)
@@ -195,8 +196,8 @@ def decode_supervisor(ctx: FuzzContext, data: bytes) -> None:
 
 def decode_server(ctx: FuzzContext, frames: list[bytes]) -> None:
     """What the server's I/O thread does with a message, short of the engine."""
-    from runtime.server import MAX_HEADER_BYTES
-    from runtime.server_requests import register_fields, release_blocks, request_tensor, submit_options
+    from runtime.serving.server import MAX_HEADER_BYTES
+    from runtime.serving.requests import register_fields, release_blocks, request_tensor, submit_options
 
     if not frames:
         raise ProtocolError("no frames")
@@ -256,11 +257,11 @@ class Sink(Entry):
 
 
 class ServerHandle:
-    """A real ``runtime.server.Server`` over an inline engine (a sink plugin), not started:
+    """A real ``runtime.serving.server.Server`` over an inline engine (a sink plugin), not started:
     ``feed(frames)`` runs the I/O thread's ``_handle`` on one message and collects replies."""
 
     def __init__(self, ctx: FuzzContext) -> None:
-        from runtime.server import Server
+        from runtime.serving.server import Server
 
         register_plugin("phyrt-fuzz-sink", Sink)
         self.dir = tempfile.mkdtemp(prefix="phyrt-fuzz-")

@@ -41,7 +41,7 @@ def _timed_cuda(call: Any, n: int) -> list[int]:
 def _ipc(ctx: RunContext, section: Section) -> None:
     import torch
 
-    from runtime.config import DeploymentConfig, DeviceConfig, EngineArgs, EngineConfig, WorkerSupervisorConfig
+    from runtime.core.config import DeploymentConfig, DeviceConfig, EngineArgs, EngineConfig, WorkerSupervisorConfig
     from runtime.engine import Engine
 
     n = 10 if ctx.quick else 50

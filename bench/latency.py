@@ -79,7 +79,7 @@ def start_paths(ctx: RunContext, stack: contextlib.ExitStack, section: Section) 
     from bench.echo import PipeEcho, ZmqEcho
     from bench.peers import PeerUnavailable, RayPeer, WebsocketPeer
     from bench.transport import PLUGIN, EngineEcho
-    from runtime.config import DeploymentConfig, DeviceConfig, EngineArgs, EngineConfig
+    from runtime.core.config import DeploymentConfig, DeviceConfig, EngineArgs, EngineConfig
 
     mp = ctx.mp()
     zctx = zmq.Context(1)

@@ -20,7 +20,7 @@ import os
 import time
 from typing import Any
 
-from runtime.plugins import Entry
+from runtime.core.plugins import Entry
 
 OPS = frozenset({"echo", "work", "sleep", "cuda_result"})
 #: one "work" unit: a 256 x 256 by 256 x 256 float32 matmul (33.5 MFLOP)

@@ -92,7 +92,7 @@ def _pool_work(request: dict) -> dict:
 
 
 def run_scaling(ctx: RunContext) -> Section:
-    from runtime.config import DeploymentConfig, DeviceConfig, EngineArgs, EngineConfig
+    from runtime.core.config import DeploymentConfig, DeviceConfig, EngineArgs, EngineConfig
     from runtime.engine import Engine
 
     section = Section("scaling", "Throughput against replicas (compute-bound plugin)")
@@ -221,10 +221,10 @@ def _engine_trial(ctx: RunContext, index: int, how: str, victim: int) -> dict[st
     """Start a tp=2 engine (timed to its first answer), then fail a rank the way ``how`` says."""
     import psutil
 
-    from runtime.config import (DenseParallelConfig, DeploymentConfig, DeviceConfig, EngineArgs, EngineConfig,
+    from runtime.core.config import (DenseParallelConfig, DeploymentConfig, DeviceConfig, EngineArgs, EngineConfig,
                                 ParallelConfig, WorkerSupervisorConfig)
     from runtime.engine import Engine
-    from runtime.errors import EngineUnavailableError
+    from runtime.core.errors import EngineUnavailableError
 
     args = EngineArgs(PLUGIN, None, EngineConfig(device=DeviceConfig(target="cpu"),
                                                  parallel=ParallelConfig(dense=DenseParallelConfig(tp_size=2))))

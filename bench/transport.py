@@ -55,12 +55,12 @@ import torch
 import zmq
 
 from bench.echo import PipeEcho, ZmqEcho
-from runtime import wire
-from runtime.config import (DenseParallelConfig, DeploymentConfig, DeviceConfig, EngineArgs, EngineConfig,
+from runtime.transport import wire
+from runtime.core.config import (DenseParallelConfig, DeploymentConfig, DeviceConfig, EngineArgs, EngineConfig,
                             ParallelConfig, WorkerSupervisorConfig)
 from runtime.engine import Engine
-from runtime.plugins import Entry
-from runtime.shm import ShmArena, ShmMapper, new_run_id
+from runtime.core.plugins import Entry
+from runtime.transport.shm import ShmArena, ShmMapper, new_run_id
 from supervisor import supervisor as supervisor_module
 
 PLUGIN = "bench.transport:EchoEntry"
@@ -414,7 +414,7 @@ def run(args: argparse.Namespace, progress: Progress, workdir: str, pids: set[in
     wire_us, msgpack_us = codec_costs(max(1000, iters // 2))
     report += ["", small_table(small, zmq_msgpack.label), "",
                f"Codec share, in process (p50, no I/O): the four codec passes of one local round trip "
-               f"(`runtime.wire` encode and decode of the request, then of the answer, with the "
+               f"(`runtime.transport.wire` encode and decode of the request, then of the answer, with the "
                f"shared-memory encoder and decoder) take {wire_us:.1f} µs; the bare echo's four msgpack "
                f"calls take {msgpack_us:.1f} µs. The rest of the gap to the bare echo lies outside the codec: "
                "the caller's engine layers (dispatcher, executor, future) and the rank's serve loop. The "

@@ -44,13 +44,13 @@ from rclpy.utilities import remove_ros_args
 from std_msgs.msg import Float32MultiArray, MultiArrayDimension
 
 from runtime.client import Client
-from runtime.streaming import ObservationGate
+from runtime.client.gate import ObservationGate
 
 
 class PolicyNode(Node):
     """Bridges one observation topic to one action topic through a phyrt ``Client``.
 
-    The gating (in flight, stale, malformed) is ``runtime.streaming.ObservationGate``'s;
+    The gating (in flight, stale, malformed) is ``runtime.client.gate.ObservationGate``'s;
     this class only wires it to rclpy.
     """
 

@@ -42,13 +42,13 @@ import rospy
 from std_msgs.msg import Float32MultiArray, MultiArrayDimension
 
 from runtime.client import Client
-from runtime.streaming import ObservationGate
+from runtime.client.gate import ObservationGate
 
 
 class PolicyNode:
     """Bridges one observation topic to one action topic through a phyrt ``Client``.
 
-    The gating (in flight, stale, malformed) is ``runtime.streaming.ObservationGate``'s;
+    The gating (in flight, stale, malformed) is ``runtime.client.gate.ObservationGate``'s;
     this class only wires it to rospy.
     """
 

@@ -29,7 +29,7 @@ import time
 from runtime import (AttentionParallelConfig, DenseParallelConfig, DeploymentConfig, DeviceConfig, Engine,
                      EngineArgs, EngineConfig, ParallelConfig)
 from runtime import parallel as P
-from runtime.errors import PhyrtError
+from runtime.core.errors import PhyrtError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,8 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from models.layers import ColumnParallelLinear, RowParallelLinear
-from runtime.config import ParallelConfig
-from runtime.plugins import BuildContext, Entry
+from runtime import BuildContext, Entry, ParallelConfig
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """phyrt's public API.
 
 Names are handed out lazily (PEP 562) so that ``import runtime.client`` works on a
-machine without torch, and so that ``runtime -> supervisor -> runtime.config`` has
+machine without torch, and so that ``runtime -> supervisor -> runtime.core.config`` has
 no import cycle.
 """
 
@@ -13,23 +13,23 @@ from typing import Any
 _EXPORTS = {
     "Engine": "runtime.engine",
     "ReplicaStatus": "runtime.engine",
-    "EngineArgs": "runtime.config",
-    "EngineConfig": "runtime.config",
-    "DeviceConfig": "runtime.config",
-    "ParallelConfig": "runtime.config",
-    "OuterParallelConfig": "runtime.config",
-    "DenseParallelConfig": "runtime.config",
-    "AttentionParallelConfig": "runtime.config",
-    "MoeParallelConfig": "runtime.config",
-    "DeploymentConfig": "runtime.config",
-    "WorkerSupervisorConfig": "runtime.config",
-    "Entry": "runtime.plugins",
-    "BuildContext": "runtime.plugins",
-    "register_plugin": "runtime.plugins",
-    "EngineUnavailableError": "runtime.errors",
-    "WorkerStartupError": "runtime.errors",
-    "ProtocolError": "runtime.errors",
-    "RemoteError": "runtime.errors",
+    "EngineArgs": "runtime.core.config",
+    "EngineConfig": "runtime.core.config",
+    "DeviceConfig": "runtime.core.config",
+    "ParallelConfig": "runtime.core.config",
+    "OuterParallelConfig": "runtime.core.config",
+    "DenseParallelConfig": "runtime.core.config",
+    "AttentionParallelConfig": "runtime.core.config",
+    "MoeParallelConfig": "runtime.core.config",
+    "DeploymentConfig": "runtime.core.config",
+    "WorkerSupervisorConfig": "runtime.core.config",
+    "Entry": "runtime.core.plugins",
+    "BuildContext": "runtime.core.plugins",
+    "register_plugin": "runtime.core.plugins",
+    "EngineUnavailableError": "runtime.core.errors",
+    "WorkerStartupError": "runtime.core.errors",
+    "ProtocolError": "runtime.core.errors",
+    "RemoteError": "runtime.core.errors",
 }
 
 __all__ = sorted(_EXPORTS) + ["parallel"]

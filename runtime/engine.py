@@ -17,11 +17,11 @@ import weakref
 from concurrent.futures import Future
 from typing import Any
 
-from runtime.config import DeploymentConfig, EngineArgs
-from runtime.dispatcher import RequestDispatcher
-from runtime.errors import EngineUnavailableError
-from runtime.executor import ReplicaExecutor, ReplicaStatus
-from runtime.plugins import Entry, resolve_plugin
+from runtime.core.config import DeploymentConfig, EngineArgs
+from runtime.execution.dispatcher import RequestDispatcher
+from runtime.core.errors import EngineUnavailableError
+from runtime.execution.executor import ReplicaExecutor, ReplicaStatus
+from runtime.core.plugins import Entry, resolve_plugin
 
 __all__ = ["Engine", "ReplicaStatus"]
 
@@ -62,8 +62,8 @@ class Engine:
 
     def _start_executors(self, entry_cls: type[Entry], placement: list[tuple[int, ...]]) -> list[ReplicaExecutor]:
         if self.mode == "inline":
-            from runtime.inline import InlineExecutor
-            from workers.core import EngineCore, make_context
+            from runtime.execution.inline import InlineExecutor
+            from runtime.execution.engine_core import EngineCore, make_context
 
             devices = placement[0]
             ctx = make_context(self.args.config, device_index=devices[0] if self.deployment.devices else None)
@@ -71,7 +71,7 @@ class Engine:
         if self.mode == "local":
             import msgpack
 
-            from runtime.multiprocess import MultiprocessExecutor
+            from runtime.execution.multiprocess import MultiprocessExecutor
             from supervisor import WorkerSupervisor
 
             try:  # the ranks decode with string map keys only, as every phyrt message
@@ -90,7 +90,7 @@ class Engine:
                 executor.attach(supervisor)
             return executors
         if self.mode == "external":
-            from runtime.external import ExternalExecutor
+            from runtime.execution.external import ExternalExecutor
 
             # this process is one rank torchrun made; every rank builds its part and joins the group
             return [ExternalExecutor.start(self._entry, self.args, self.deployment)]

@@ -148,7 +148,7 @@ def plugin_and_args(opts: argparse.Namespace) -> tuple[str, Any]:
 
 def build_engine_config(opts: argparse.Namespace) -> tuple[Any, Any]:
     """EngineArgs and DeploymentConfig from the command line (ValueError for a bad combination)."""
-    from runtime.config import (AttentionParallelConfig, DenseParallelConfig, DeploymentConfig, DeviceConfig,
+    from runtime.core.config import (AttentionParallelConfig, DenseParallelConfig, DeploymentConfig, DeviceConfig,
                                 EngineArgs, EngineConfig, ParallelConfig, WorkerSupervisorConfig)
 
     plugin, plugin_args = plugin_and_args(opts)
@@ -184,7 +184,7 @@ def curve_keys(opts: argparse.Namespace) -> Any:
         return None
     import zmq
 
-    from runtime.endpoints import CurveKeys, load_key
+    from runtime.transport.endpoints import CurveKeys, load_key
 
     secret = load_key(opts.curve_secret_key, secret=True)
     public = load_key(opts.curve_public_key, secret=False) or zmq.curve_public(secret)
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     try:
         address, private_dir = resolve_address(opts.address)
-        from runtime.endpoints import check_address
+        from runtime.transport.endpoints import check_address
 
         curve = curve_keys(opts)
         check_address(address, curve is not None)  # before minutes of start-up, not after
@@ -229,13 +229,13 @@ def main(argv: list[str] | None = None) -> int:
         from runtime.engine import Engine
 
         engine = Engine(args, deployment)
-        from runtime.server import Server
+        from runtime.serving.server import Server
 
         topology = _topology(engine)
         log.info("engine ready in %.1f s; binding %s", time.monotonic() - started, address)
         metrics = None
         if opts.metrics_port is not None:
-            from runtime.metrics import ServerMetrics, start_metrics_server
+            from runtime.serving.metrics import ServerMetrics, start_metrics_server
 
             served = engine
             metrics_http = start_metrics_server(opts.metrics_port, opts.metrics_host,

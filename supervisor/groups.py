@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.shm import ShmArena, ShmMapper
+from runtime.transport.shm import ShmArena, ShmMapper
 
 
 @dataclass

@@ -20,6 +20,7 @@ to tell apart from the ranks; this costs one idle thread.
 
 from __future__ import annotations
 
+import importlib
 import os
 import queue
 import re
@@ -35,6 +36,12 @@ from typing import Any, Callable
 #: a rank that does not exit this long after SIGTERM gets SIGKILL
 TERM_GRACE_S = 2.0
 
+
+
+def run_module_main(module: str, boot: bytes) -> None:
+    """A rank process's target: ``module.main(boot)``. The supervisor names the rank's entry
+    point by module path and never imports it (the rank's code sits above the supervisor)."""
+    importlib.import_module(module).main(boot)
 
 class SpawnThread:
     """The thread that starts the ranks and outlives them (see the module docstring).

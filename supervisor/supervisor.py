@@ -23,7 +23,7 @@ they are watched whoever reads the answers. When the machine has a core to spare
 environment ``PHYRT_SPIN_US``, 0 turns it off) before it sleeps in ``poll``: a
 short answer then costs no wake-up of a sleeping thread, and a long one at most
 that much of one core. Each rank likewise looks for its next request for up to
-``runtime.spin.WORKER_SPIN_US`` after an answer (``worker_spin_ns``, sent in its boot).
+``runtime.transport.spin.WORKER_SPIN_US`` after an answer (``worker_spin_ns``, sent in its boot).
 
 Invariants:
 - The ctl ROUTER is used only by the thread holding the reader role
@@ -94,21 +94,24 @@ from typing import Any, Callable
 import msgpack
 import zmq
 
-from runtime import wire
-from runtime.config import EngineArgs, WorkerSupervisorConfig, dtype_name
-from runtime.errors import EngineUnavailableError, ProtocolError, RemoteError, WorkerStartupError
-from runtime.futures import resolve
-from runtime.shm import ShmArena, ShmMapper, new_run_id, sweep_creators, sweep_run, sweep_stale
-from runtime.spin import WORKER_SPIN_US, budget_ns, usable_cores
-from runtime.wake_pipe import WakePipe
+from runtime.transport import wire
+from runtime.core.config import EngineArgs, WorkerSupervisorConfig, dtype_name
+from runtime.core.errors import EngineUnavailableError, ProtocolError, RemoteError, WorkerStartupError
+from runtime.core.futures import resolve
+from runtime.transport.shm import ShmArena, ShmMapper, new_run_id, sweep_creators, sweep_run, sweep_stale
+from runtime.transport.spin import WORKER_SPIN_US, budget_ns, usable_cores
+from runtime.transport.wake_pipe import WakePipe
 from supervisor.groups import (GroupState, LockedArena, PendingRequest, RankState, ReapedProcess, ResultMapper,
                               free_blocks)
-from supervisor.processes import TERM_GRACE_S, SpawnThread, check_port_free, describe_exit, stop_ranks, sweep_run_dirs
+from supervisor.processes import (TERM_GRACE_S, SpawnThread, check_port_free, describe_exit, run_module_main, stop_ranks,
+                                  sweep_run_dirs)
 
 log = logging.getLogger("phyrt.supervisor")
 
 #: request and result arenas start this large (pre-faulted) and grow on demand
 ARENA_BYTES = 8 << 20
+#: the rank process's entry point, ``main(boot: bytes)``, by module path: the supervisor does not import it
+WORKER_MODULE = "workers.main"
 _WORKER_TYPES = frozenset({"ready", "startup_error", "done"})
 #: how long a submit waits for a rank's inbox to be connected (it is, from "ready" on,
 #: unless the rank died) before the group fails
@@ -213,14 +216,12 @@ class WorkerSupervisor:
         total = sum(len(p) for p in placement)
         spare_core = total < usable_cores()
         self._spin_s = SPIN_S if spare_core else 0.0
-        # a rank looks for the next request a moment after answering one (see runtime.spin)
+        # a rank looks for the next request a moment after answering one (see runtime.transport.spin)
         self.worker_spin_ns = budget_ns("PHYRT_WORKER_SPIN_US", WORKER_SPIN_US) if spare_core else 0
         # the engine process needs a core's share too (it encodes and copies tensors)
         threads = max(1, (os.cpu_count() or 1) // (total + 1))
         device_cfg = self._args.config.device
         mp = multiprocessing.get_context("spawn")
-        from workers.main import main as worker_main
-
         for replica, devices in enumerate(placement):
             arena = ShmArena(self.run_id, ARENA_BYTES)
             group = GroupState(replica, [], arena)
@@ -244,7 +245,7 @@ class WorkerSupervisor:
                     "startup_timeout_s": self.config.startup_timeout_s, "arena_bytes": ARENA_BYTES,
                     "premap": arena.segments, "spin_ns": self.worker_spin_ns,
                 }, use_bin_type=True)
-                process = mp.Process(target=worker_main, args=(boot,), name=f"phyrt-r{replica}-{rank}",
+                process = mp.Process(target=run_module_main, args=(WORKER_MODULE, boot), name=f"phyrt-r{replica}-{rank}",
                                      daemon=True)
                 self._spawner.call(process.start)
                 decoder = wire.TensorDecoder(mapper=ResultMapper(self._mapper, group, rank),

@@ -260,7 +260,7 @@ def _die_later(how: str, after_s: float) -> None:
 
 def _arm_reply_encoding(how: str) -> None:
     """The next "done" this rank encodes kills it (the serve loop calls wire.pack_message)."""
-    from runtime import wire
+    from runtime.transport import wire
 
     original = wire.pack_message
 
@@ -275,7 +275,7 @@ def _arm_reply_encoding(how: str) -> None:
 def _arm_request_decoding(how: str) -> None:
     """The next request this rank decodes kills it, once its frame is decoded (shared
     memory mapped and all) and before the plugin sees it."""
-    from runtime import wire
+    from runtime.transport import wire
 
     original = wire.unpack_message
 
@@ -294,7 +294,7 @@ def _arm_arena_placement(how: str) -> None:
     import gc
     import warnings
 
-    from runtime.shm import ShmArena
+    from runtime.transport.shm import ShmArena
 
     with warnings.catch_warnings():  # isinstance() on torch's deprecated module attributes warns
         warnings.simplefilter("ignore")

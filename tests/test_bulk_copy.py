@@ -1,4 +1,4 @@
-"""runtime.bulk_copy: large copies split with a helper thread land every byte, whatever the timing."""
+"""runtime.transport.bulk_copy: large copies split with a helper thread land every byte, whatever the timing."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from runtime import bulk_copy
-from runtime.bulk_copy import CHUNK_BYTES, SPLIT_MIN_BYTES, BulkCopier
+from runtime.transport import bulk_copy
+from runtime.transport.bulk_copy import CHUNK_BYTES, SPLIT_MIN_BYTES, BulkCopier
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -159,7 +159,7 @@ def test_result_segments_of_a_dead_client_are_removed(echo):
     import msgpack
     import zmq
 
-    from runtime.shm import new_run_id
+    from runtime.transport.shm import new_run_id
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     ctx = zmq.Context()
@@ -199,7 +199,7 @@ def inline_echo(tmp_path):
     """A ``Server`` over an inline ``tests.plugins:Echo`` engine in this process: its
     per-client result arenas can be looked at."""
     from runtime import Engine, EngineArgs
-    from runtime.server import Server
+    from runtime.serving.server import Server
 
     private = tmp_path / "run"
     private.mkdir(mode=0o700)
@@ -315,7 +315,7 @@ import numpy as np
 import torch
 from runtime import Engine, EngineArgs
 from runtime.client import Client
-from runtime.server import Server
+from runtime.serving.server import Server
 from tests.test_launch import shm_names_of, wait_until
 
 server = Server(Engine(EngineArgs(plugin="tests.plugins:Echo")), "ipc://{private}/s.sock")
@@ -753,7 +753,7 @@ _PAYLOADS = [
 def test_the_packing_fast_path_gives_the_slow_paths_bytes(payload):
     import msgpack
 
-    from runtime.protocol import PayloadEncoder
+    from runtime.transport.protocol import PayloadEncoder
 
     def place(nbytes):
         return "phyrt-0123456789abcdef-1-0", 64 * len(blocks), memoryview(bytearray(nbytes))
@@ -776,7 +776,7 @@ def test_the_packing_fast_path_gives_the_slow_paths_bytes(payload):
     ({"x": 2**70}, OverflowError, "out of range"),
 ])
 def test_the_packing_fast_path_refuses_what_the_slow_path_refuses(payload, error, match):
-    from runtime.protocol import PayloadEncoder
+    from runtime.transport.protocol import PayloadEncoder
 
     with pytest.raises(error, match=match):
         PayloadEncoder(copy=False).pack(payload)
@@ -785,8 +785,8 @@ def test_the_packing_fast_path_refuses_what_the_slow_path_refuses(payload, error
 def test_a_header_with_a_packed_payload_is_the_plain_header():
     import msgpack
 
-    from runtime.client import _submit_header
-    from runtime.protocol import PayloadEncoder, pack_header
+    from runtime.client.client import _submit_header
+    from runtime.transport.protocol import PayloadEncoder, pack_header
 
     payload = {"obs": [1.5, 2.5], "task": "t"}
     packed = PayloadEncoder(copy=False).pack(payload)
@@ -820,8 +820,8 @@ def test_a_header_with_a_packed_payload_is_the_plain_header():
     (b"\x82\xa1v\x01\x01\x02", "malformed|not allowed"),  # an int key
 ])
 def test_header_decoding_refuses_what_the_protocol_forbids(raw, match):
-    from runtime.errors import ProtocolError
-    from runtime.protocol import unpack_header
+    from runtime.core.errors import ProtocolError
+    from runtime.transport.protocol import unpack_header
 
     with pytest.raises(ProtocolError, match=match):
         unpack_header(raw, 1 << 20)
@@ -832,7 +832,7 @@ def test_header_decoding_refuses_what_the_protocol_forbids(raw, match):
 def test_header_decoding_fast_and_slow_paths_agree():
     import msgpack
 
-    from runtime.protocol import _Ext, unpack_header
+    from runtime.transport.protocol import _Ext, unpack_header
 
     payload = {"a": [1, 2.5, "x", b"\xff\xd6"], "t": msgpack.ExtType(1, b"\x93\xa5uint8\x91\x02\x00")}
     header = {"v": 1, "op": "submit", "id": 3, "payload": payload}

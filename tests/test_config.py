@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import runtime
-from runtime.config import (
+from runtime.core.config import (
     AttentionParallelConfig,
     DenseParallelConfig,
     DeploymentConfig,
@@ -75,7 +75,7 @@ def test_filled_parallel_config_stays_frozen_and_hashable():
 
 
 def test_public_api_exports_the_config_classes():
-    from runtime import config
+    from runtime.core import config
 
     for name in ("EngineArgs", "EngineConfig", "DeviceConfig", "ParallelConfig", "OuterParallelConfig",
                  "DenseParallelConfig", "AttentionParallelConfig", "MoeParallelConfig",

@@ -6,9 +6,9 @@ from concurrent.futures import Future
 
 import pytest
 
-from runtime.dispatcher import RequestDispatcher
-from runtime.errors import EngineUnavailableError
-from runtime.executor import ReplicaExecutor
+from runtime.execution.dispatcher import RequestDispatcher
+from runtime.core.errors import EngineUnavailableError
+from runtime.execution.executor import ReplicaExecutor
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from runtime import DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig, EngineUnavailableError
-from runtime.external import RequestMismatchError, request_fingerprint
+from runtime.execution.external import RequestMismatchError, request_fingerprint
 from tests.ranks import free_port
 from tests.test_qwen3_plugin import SHAPES, TP2, hf_greedy, make_checkpoint
 

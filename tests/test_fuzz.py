@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 
 from bench.fuzz import (DTYPES, EDGE_INTS, BadReply, FuzzContext, Inputs, ServerHandle, check_reply, decode_client,
                         decode_server, decode_supervisor, decode_worker, no_hang, run_target)
-from runtime import protocol, wire
+from runtime.transport import protocol, wire
 
 pytestmark = [pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[1]

@@ -375,10 +375,10 @@ def test_a_rank_that_dies_with_a_large_reply_placed_leaves_no_name(pool):
 # supervisor drains the ROUTER before it looks at the rank sentinels, so the surviving rank's gloo
 # error wins: the replica fails with 'rank 0 raised RuntimeError:
 # [.../gloo/transport/tcp/pair.cc:...] ... Connection reset by peer' instead of 'rank 1 was killed
-# by signal SIGKILL', the cause is a RemoteError, and runtime.server answers clients PluginError
+# by signal SIGKILL', the cause is a RemoteError, and runtime.serving.server answers clients PluginError
 # (not EngineUnavailable) for a killed rank
 def test_a_rank_killed_in_a_collective_is_blamed_even_when_the_engine_is_busy(pool):
-    from runtime.server_requests import _error_of
+    from runtime.serving.requests import _error_of
 
     slot = pool.take()
     future = submit_to(slot.engine, slot.victim, {"op": "die", "stage": "collective", "how": "sigkill",

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 from models.layers import ColumnParallelLinear, LinearBase, RowParallelLinear
 from runtime import parallel as P
-from runtime.config import DenseParallelConfig, ParallelConfig
+from runtime.core.config import DenseParallelConfig, ParallelConfig
 from tests.ranks import finish, init_gloo, launch, rank_args
 
 pytestmark = pytest.mark.timeout(120)

@@ -24,7 +24,7 @@ from models.layers.norm import RMSNorm
 from models.layers.rotary import RotaryEmbedding, rope_theta
 from models.loader import LazySlice
 from runtime import parallel as P
-from runtime.config import AttentionParallelConfig, DenseParallelConfig, ParallelConfig
+from runtime.core.config import AttentionParallelConfig, DenseParallelConfig, ParallelConfig
 from tests.ranks import finish, init_gloo, launch, rank_args
 
 pytestmark = pytest.mark.timeout(120)

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from runtime import EngineUnavailableError, ProtocolError, RemoteError, WorkerStartupError
-from runtime import wire
+from runtime.transport import wire
 from tests import conftest
 from tests.conftest import (REAP_GRACE_S, child_pids, close_engine, leftovers, pid_alive, start_engine,
                             tp_parallel, wait_until)

@@ -14,7 +14,7 @@
   (after at most a short poll). A rank polls a moment for its next request after each
   answer, only when the ranks leave a core free, and then sleeps.
 - ``EngineCore.run``, the rank's one-call path for an executing runner, is ``add``
-  then ``step``; ``runtime.futures.resolve`` completes once and never raises.
+  then ``step``; ``runtime.core.futures.resolve`` completes once and never raises.
 """
 
 from __future__ import annotations
@@ -119,9 +119,9 @@ def test_a_submit_racing_a_one_rank_groups_death_neither_blocks_nor_is_lost():
 
 
 def test_engine_core_run_is_add_then_step():
-    from runtime.config import EngineConfig
-    from runtime.plugins import Entry
-    from workers.core import EngineCore, make_context
+    from runtime.core.config import EngineConfig
+    from runtime.core.plugins import Entry
+    from runtime.execution.engine_core import EngineCore, make_context
 
     class Runner:
         def execute(self, request: Any) -> Any:
@@ -143,7 +143,7 @@ def test_engine_core_run_is_add_then_step():
 
 
 def test_resolve_completes_once_and_never_raises():
-    from runtime.futures import resolve
+    from runtime.core.futures import resolve
 
     done: Future = Future()
     resolve(done, result=1)
@@ -274,7 +274,7 @@ def test_a_rank_looks_for_its_next_request_a_moment_after_answering_then_sleeps(
     process a core (0 otherwise), and sleeps after it: an idle rank costs no CPU."""
     import psutil
 
-    from runtime.spin import WORKER_SPIN_US
+    from runtime.transport.spin import WORKER_SPIN_US
 
     cores = len(os.sched_getaffinity(0))
     with local_engine(replicas=1) as engine:

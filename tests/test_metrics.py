@@ -1,4 +1,4 @@
-"""runtime.metrics: recorded values, scraped over HTTP on loopback as Prometheus would."""
+"""runtime.serving.metrics: recorded values, scraped over HTTP on loopback as Prometheus would."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ prometheus_client = pytest.importorskip("prometheus_client", reason="prometheus-
                                         "(pip install prometheus-client; the serve extra)")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from runtime.metrics import ERROR_TYPES, OPS, NullMetrics, ServerMetrics, start_metrics_server  # noqa: E402
+from runtime.serving.metrics import ERROR_TYPES, OPS, NullMetrics, ServerMetrics, start_metrics_server  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -157,8 +157,8 @@ def _first(*places: tuple[str, str]):
 
 @pytest.mark.timeout(60)
 def test_label_sets_match_the_protocol():
-    error_types = _first(("runtime.protocol", "ERROR_TYPES"), ("runtime.client", "ERROR_TYPES"))
-    ops = _first(("runtime.server_requests", "OP_FIELDS"), ("runtime.server", "_FIELDS"))
+    error_types = _first(("runtime.transport.protocol", "ERROR_TYPES"), ("runtime.client", "ERROR_TYPES"))
+    ops = _first(("runtime.serving.requests", "OP_FIELDS"), ("runtime.serving.server", "_FIELDS"))
     assert set(ERROR_TYPES) == set(error_types)
     assert set(OPS) == set(ops)
 
@@ -169,7 +169,7 @@ def test_server_counts_requests_errors_and_replicas(tmp_path):
 
     from runtime import Engine, EngineArgs
     from runtime.client import Client, InvalidRequestError
-    from runtime.server import Server
+    from runtime.serving.server import Server
 
     engine = Engine(EngineArgs("policy"))
     metrics = ServerMetrics(replicas=lambda: engine.replicas)

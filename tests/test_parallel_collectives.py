@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from runtime import parallel as P
-from runtime.config import (
+from runtime.core.config import (
     AttentionParallelConfig,
     DenseParallelConfig,
     MoeParallelConfig,

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime import parallel as P
-from runtime.config import (
+from runtime.core.config import (
     AttentionParallelConfig,
     DenseParallelConfig,
     MoeParallelConfig,

@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 
 import runtime
-from runtime import plugins
-from runtime.config import (
+from runtime.core import plugins
+from runtime.core.config import (
     AttentionParallelConfig,
     DenseParallelConfig,
     MoeParallelConfig,
     OuterParallelConfig,
     ParallelConfig,
 )
-from runtime.plugins import BuildContext, Entry, known_plugins, register_plugin, resolve_plugin
+from runtime.core.plugins import BuildContext, Entry, known_plugins, register_plugin, resolve_plugin
 from tests.fixtures_plugins import thirdparty
 from tests.fixtures_plugins.thirdparty import DoubleEntry, NotAnEntry, Outer, SingleRankEntry
 
@@ -191,7 +191,7 @@ def test_spec_of_a_nested_class_round_trips():
 def test_spec_string_resolves_in_a_fresh_interpreter():
     code = textwrap.dedent(f"""
         import sys
-        from runtime.plugins import Entry, resolve_plugin
+        from runtime.core.plugins import Entry, resolve_plugin
         assert "{MODULE}" not in sys.modules
         cls = resolve_plugin("{DOUBLE_SPEC}")
         assert issubclass(cls, Entry)
@@ -206,7 +206,7 @@ def test_spec_string_resolves_in_a_fresh_interpreter():
 def test_builtin_entry_point_resolves_in_a_fresh_interpreter_without_importing_models_first():
     code = textwrap.dedent("""
         import sys
-        from runtime.plugins import known_plugins, resolve_plugin
+        from runtime.core.plugins import known_plugins, resolve_plugin
         assert "policy" in known_plugins()
         assert not any(m == "models" or m.startswith("models.") for m in sys.modules)
         print(resolve_plugin("policy").spec())
@@ -220,7 +220,7 @@ def test_a_name_registered_here_is_unknown_in_a_fresh_interpreter_but_its_spec_i
     # Why the engine hands ranks spec() and not the registered name.
     register_plugin("fx-only-here", DoubleEntry)
     code = textwrap.dedent(f"""
-        from runtime.plugins import resolve_plugin
+        from runtime.core.plugins import resolve_plugin
         try:
             resolve_plugin("fx-only-here")
         except ValueError as exc:

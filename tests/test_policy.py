@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from runtime import parallel as P
-from runtime.config import DenseParallelConfig, OuterParallelConfig, ParallelConfig
-from runtime.plugins import BuildContext, resolve_plugin
+from runtime.core.config import DenseParallelConfig, OuterParallelConfig, ParallelConfig
+from runtime.core.plugins import BuildContext, resolve_plugin
 from tests.ranks import finish, init_gloo, launch, rank_args
 
 pytestmark = pytest.mark.timeout(120)

@@ -26,7 +26,7 @@ from models.layers.embedding import VocabParallelEmbedding
 from models.loader import CheckpointError, LoadProgress, load_checkpoint, load_config
 from models.qwen3.model import Qwen3ForCausalLM
 from runtime import parallel as P
-from runtime.config import AttentionParallelConfig, DenseParallelConfig, ParallelConfig
+from runtime.core.config import AttentionParallelConfig, DenseParallelConfig, ParallelConfig
 from tests.ranks import finish, init_gloo, launch, rank_args
 
 pytestmark = pytest.mark.timeout(180)

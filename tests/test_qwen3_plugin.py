@@ -316,7 +316,7 @@ def _rank_main() -> None:
     """One rank of ``test_ranks_agree_whatever_order_requests_arrive_in``: the serve loop by hand."""
     from models.qwen3 import Qwen3Entry, runner as runner_module
     from runtime import parallel as P
-    from runtime.plugins import BuildContext
+    from runtime.core.plugins import BuildContext
     from tests.ranks import finish, init_gloo, rank_args
 
     (model,), rank, world, port, out = rank_args(1)

@@ -53,10 +53,11 @@ import psutil
 import pytest
 import zmq
 
-from runtime import EngineUnavailableError, ProtocolError, protocol, wire
+from runtime import EngineUnavailableError, ProtocolError
+from runtime.transport import protocol, wire
 from runtime.client import (Client, ConnectionLostError, DeadlineExceededError, PluginError,
                             ServerError, ServerUnavailableError)
-from runtime.endpoints import check_address
+from runtime.transport.endpoints import check_address
 from tests.conftest import close_engine, start_engine, supervisor_of, tp_parallel, wait_until
 from tests.test_launch import ROOT, Launched, free_port
 
@@ -253,7 +254,7 @@ def test_ipc_paths_that_escape_a_private_directory_are_refused(tmp_path):
 
 def test_the_server_binds_nothing_for_a_refused_address(tmp_path):
     from runtime import Engine, EngineArgs
-    from runtime.server import Server
+    from runtime.serving.server import Server
 
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o755)

@@ -1,4 +1,4 @@
-"""runtime.server behind ``python -m runtime.launch --devices 0,1,2,3 --replicas 2 --device cpu``.
+"""runtime.serving.server behind ``python -m runtime.launch --devices 0,1,2,3 --replicas 2 --device cpu``.
 
 One launched server (2 replicas x 2 CPU ranks, gloo, the ``policy`` demo) serves the
 whole module; clients run in this process and in other processes. The last test
@@ -200,7 +200,7 @@ def fuzz(address: str, count: int, seed: int) -> None:
     import msgpack
     import zmq
 
-    from runtime.shm import ShmArena, new_run_id
+    from runtime.transport.shm import ShmArena, new_run_id
 
     rng = random.Random(seed)
     P = lambda obj: msgpack.packb(obj, use_bin_type=True)  # noqa: E731
@@ -375,9 +375,9 @@ def test_sigterm_stops_the_server_and_leaves_nothing(server):
 def inline_server(tmp_path, monkeypatch):
     """A ``Server`` over an inline ``tests.plugins:Echo`` engine, in this process, with every
     reply it sends recorded as (thread name, header)."""
-    import runtime.server as server_module
+    import runtime.serving.server as server_module
     from runtime import Engine, EngineArgs
-    from runtime.server import Server
+    from runtime.serving.server import Server
 
     # a message left unread would wait for the next housekeeping: make that wait unmissable
     monkeypatch.setattr(server_module, "_HOUSEKEEPING_S", 30.0)
@@ -506,7 +506,7 @@ def test_a_request_running_in_a_server_thread_still_gets_its_deadline_and_cannot
 
 @pytest.mark.timeout(60)
 def test_an_idle_server_and_a_waiting_client_do_not_spin(inline_server):
-    """The short polls before sleeping (runtime.spin) end: an idle server costs no CPU, and a
+    """The short polls before sleeping (runtime.transport.spin) end: an idle server costs no CPU, and a
     caller waiting for a long request costs little."""
     with Client(inline_server.address) as client:
         for i in range(50):

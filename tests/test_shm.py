@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.errors import ProtocolError
-from runtime.shm import ALIGNMENT, SHM_DIR, ShmArena, ShmMapper, new_run_id, sweep_run, sweep_stale
+from runtime.core.errors import ProtocolError
+from runtime.transport.shm import ALIGNMENT, SHM_DIR, ShmArena, ShmMapper, new_run_id, sweep_run, sweep_stale
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[1]
@@ -203,7 +203,7 @@ def test_mapper_rejects_foreign_malformed_and_out_of_bounds_references():
 
 _CHILD_ARENA = r"""
 import subprocess, sys, time
-from runtime.shm import ShmArena
+from runtime.transport.shm import ShmArena
 arena = ShmArena(sys.argv[1], 1 << 20)
 arena.place(3 << 20)  # grow: two segments
 names = arena.segments

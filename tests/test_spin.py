@@ -1,4 +1,4 @@
-"""runtime.spin: the short poll before sleeping, and its budget."""
+"""runtime.transport.spin: the short poll before sleeping, and its budget."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from runtime import spin as spin_module
-from runtime.spin import budget_ns, spin
+from runtime.transport import spin as spin_module
+from runtime.transport.spin import budget_ns, spin
 
 pytestmark = pytest.mark.timeout(30)
 

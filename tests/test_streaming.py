@@ -1,4 +1,4 @@
-"""runtime.streaming.ObservationGate with a client whose futures the test completes by hand."""
+"""runtime.client.gate.ObservationGate with a client whose futures the test completes by hand."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from runtime.client_errors import DeadlineExceededError
-from runtime.streaming import ObservationGate
+from runtime.client.errors import DeadlineExceededError
+from runtime.client.gate import ObservationGate
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -158,6 +158,6 @@ def test_bad_settings_are_refused(bad):
 
 
 def test_the_gate_imports_without_torch():
-    code = "import sys; sys.modules['torch'] = None; import runtime.streaming, runtime.client; print('ok')"
+    code = "import sys; sys.modules['torch'] = None; import runtime.client.gate, runtime.client; print('ok')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "ok", done.stderr

@@ -16,10 +16,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime import wire
-from runtime.errors import ProtocolError
-from runtime.shm import SHM_DIR, ShmArena, ShmMapper, new_run_id
-from runtime.wire import (
+from runtime.transport import wire
+from runtime.core.errors import ProtocolError
+from runtime.transport.shm import SHM_DIR, ShmArena, ShmMapper, new_run_id
+from runtime.transport.wire import (
     EXT_CUDA_IPC, EXT_INLINE, EXT_SHM, PROTOCOL_VERSION, TensorDecoder, TensorEncoder,
     pack_message, unpack_message,
 )
@@ -257,14 +257,14 @@ def test_encode_rejects_bad_header(kind, id_):
 
 
 def test_import_without_torch():
-    r = run_python("import runtime.wire, runtime.shm, sys; assert 'torch' not in sys.modules")
+    r = run_python("import runtime.transport.wire, runtime.transport.shm, sys; assert 'torch' not in sys.modules")
     assert r.returncode == 0, r.stderr
 
 
 def test_numpy_round_trip_in_a_torch_free_process():
     code = (
         "import sys, numpy as np\n"
-        "from runtime.wire import TensorDecoder, pack_message, unpack_message\n"
+        "from runtime.transport.wire import TensorDecoder, pack_message, unpack_message\n"
         "x = np.arange(12, dtype=np.float32).reshape(3, 4)\n"
         "y = unpack_message(pack_message('t', 1, x=x), tensor_decoder=TensorDecoder(tensor_type='numpy'))['x']\n"
         "assert np.array_equal(x, y) and 'torch' not in sys.modules\n"
@@ -299,8 +299,8 @@ def test_shm_round_trip_in_process_is_a_view():
 
 _CHILD = r"""
 import sys, torch
-from runtime.shm import ShmMapper
-from runtime.wire import TensorDecoder, unpack_message
+from runtime.transport.shm import ShmMapper
+from runtime.transport.wire import TensorDecoder, unpack_message
 with ShmMapper(sys.argv[1]) as mapper:
     t = unpack_message(open(sys.argv[2], "rb").read(), tensor_decoder=TensorDecoder(mapper=mapper))["x"]
     ok = torch.equal(t, torch.arange(t.numel(), dtype=torch.int32))
@@ -559,7 +559,7 @@ def test_cuda_descriptor_carries_every_field_of_torchs_reduction(monkeypatch):
     """Without a GPU: what reduce_tensor returns is what rebuild_cuda_tensor gets back."""
     import torch.multiprocessing.reductions as reductions
 
-    from runtime import wire
+    from runtime.transport import wire
 
     args = (torch.Tensor, torch.Size([2, 3]), (3, 1), 1, torch.storage.TypedStorage, torch.float32, 0,
             b"\x01" * 64, 28, 512, False, b"\x02" * 16, 8, b"\x03" * 64, True)
@@ -581,7 +581,7 @@ def test_cuda_descriptor_carries_every_field_of_torchs_reduction(monkeypatch):
 
 _CUDA_CHILD = r"""
 import sys, torch
-from runtime.wire import TensorDecoder, unpack_message
+from runtime.transport.wire import TensorDecoder, unpack_message
 t = unpack_message(open(sys.argv[1], "rb").read(), tensor_decoder=TensorDecoder(allow_cuda_ipc=True))["x"]
 ok = t.is_cuda and torch.equal(t.cpu(), torch.arange(12.0).reshape(3, 4)[:, 1:])
 t.fill_(-1.0)  # through the IPC mapping: the parent's tensor changes

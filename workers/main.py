@@ -68,9 +68,9 @@ from typing import Any
 import msgpack
 import zmq
 
-from runtime import wire
-from runtime.shm import ShmArena, ShmMapper
-from runtime.spin import spin
+from runtime.transport import wire
+from runtime.transport.shm import ShmArena, ShmMapper
+from runtime.transport.spin import spin
 
 #: inline tensors up to this size; larger CPU tensors go through shared memory
 INLINE_LIMIT = 64 * 1024
@@ -190,9 +190,9 @@ def _start(boot: dict[str, Any]):
     import torch.distributed as dist
 
     from runtime import parallel as P
-    from runtime.config import DeviceConfig, EngineConfig, ParallelConfig
-    from runtime.plugins import resolve_plugin
-    from workers.core import EngineCore, make_context
+    from runtime.core.config import DeviceConfig, EngineConfig, ParallelConfig
+    from runtime.core.plugins import resolve_plugin
+    from runtime.execution.engine_core import EngineCore, make_context
 
     parallel = ParallelConfig.from_dict(boot["parallel"])
     config = EngineConfig(device=DeviceConfig(target=boot["target"], params_dtype=boot["params_dtype"]),

@@ -62,13 +62,13 @@ import msgpack
 import numpy as np
 import torch
 
-from models.qwen3 import Qwen3Args, parse_request
+from models.qwen3.request import Qwen3Args, parse_request
 from models.qwen3.block_manager import BlockManager
 from models.qwen3.sampler import sample
 from models.qwen3.scheduler import Scheduler
 from models.qwen3.sequence import Sequence
 from runtime import parallel as P
-from runtime.plugins import BuildContext
+from runtime import BuildContext
 
 #: size of the one broadcast that carries a typical plan (longer plans take two)
 PLAN_BYTES = 16384

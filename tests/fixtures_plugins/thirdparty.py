@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.plugins import Entry
+from runtime.core.plugins import Entry
 
 
 class DoubleRunner:

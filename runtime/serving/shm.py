@@ -1,6 +1,6 @@
-"""The server's shared memory, per connection (ipc:// only; the protocol is in runtime.protocol).
+"""The server's shared memory, per connection (ipc:// only; the protocol is in runtime.transport.protocol).
 
-Imports only ``runtime.errors`` and ``runtime.shm`` from the project; no torch.
+Imports only ``runtime.core.errors`` and ``runtime.transport.shm`` from the project; no torch.
 
     client                                   server I/O thread: ShmSessions
     register run_id, segments, [pid]  --->   register(): one ClientShm per connection
@@ -28,8 +28,8 @@ import os
 import threading
 import time
 
-from runtime.errors import ProtocolError
-from runtime.shm import ShmArena, ShmMapper, new_run_id, sweep_stale
+from runtime.core.errors import ProtocolError
+from runtime.transport.shm import ShmArena, ShmMapper, new_run_id, sweep_stale
 
 log = logging.getLogger("phyrt.server")
 

@@ -28,10 +28,10 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
-from runtime.errors import EngineUnavailableError
-from runtime.executor import ReplicaExecutor
-from runtime.futures import resolve
-from workers.core import EngineCore
+from runtime.core.errors import EngineUnavailableError
+from runtime.execution.executor import ReplicaExecutor
+from runtime.core.futures import resolve
+from runtime.execution.engine_core import EngineCore
 
 _STOP = object()
 

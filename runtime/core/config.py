@@ -408,7 +408,7 @@ class DeploymentConfig:
 
     @classmethod
     def external(cls, collective_timeout_s: float = 60.0) -> "DeploymentConfig":
-        """This process is one rank of a torchrun launch (see ``runtime.external``)."""
+        """This process is one rank of a torchrun launch (see ``runtime.execution.external``)."""
         return cls(mode="external", collective_timeout_s=collective_timeout_s)
 
     def resolve_mode(self, ranks_per_replica: int) -> str:

@@ -1,9 +1,9 @@
 """The client/server protocol: frames, tensor references, and their validation.
 
-Leaf module: imports nothing from the project but ``runtime.errors``; needs
+Leaf module: imports nothing from the project but ``runtime.core.errors``; needs
 msgpack, numpy and pyzmq only (torch is imported lazily, by ``torch_tensor`` and
 ``torch_view``, or used when a caller hands in torch tensors), so that the
-torch-free ``runtime.client`` and the ``runtime.server`` speak it from one place.
+torch-free ``runtime.client`` and the ``runtime.serving.server`` speak it from one place.
 
     sender                                            receiver
     PayloadEncoder.encode(payload)                    unpack_header(frame 0): a checked map,
@@ -38,7 +38,7 @@ unique among that connection's requests in flight:
 
 Replies (server -> client): ``{"v": 1, "op": OP, "id": ID, "ok": true, "result": ...}``
 or ``{..., "ok": false, "error": {"type": T, "message": M}}`` with T one of
-``ERROR_TYPES`` (the exception types are in ``runtime.client_errors``). A message
+``ERROR_TYPES`` (the exception types are in ``runtime.client.errors``). A message
 that cannot be parsed gets ``op`` and ``id`` null. A submit reply may carry
 ``inputs_held: true`` (see below). The server may also send
 ``{"op": "inputs_done", "id": ID}`` unasked.
@@ -74,7 +74,7 @@ names the path of what it rejects. The packed payload is spliced into its header
 the frame (``_TIMESTAMP``, every encoding msgpack accepts) only the map hook runs
 (duplicate keys; bytes keys only where a bin can be); otherwise every map and list
 is checked as before.
-The dtype table and the dtype check are the same as ``runtime.wire``'s, which keeps
+The dtype table and the dtype check are the same as ``runtime.transport.wire``'s, which keeps
 them private; the shape check differs on purpose (entries below 2**40 here).
 """
 
@@ -90,8 +90,8 @@ import msgpack
 import numpy as np
 import zmq
 
-from runtime import bulk_copy
-from runtime.errors import ProtocolError
+from runtime.transport import bulk_copy
+from runtime.core.errors import ProtocolError
 
 PROTOCOL_VERSION = 1
 EXT_FRAME, EXT_SHM = 1, 2

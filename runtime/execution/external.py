@@ -46,10 +46,10 @@ Invariants:
   has ``DeploymentConfig.process_config.startup_timeout_s``, since ranks load
   weights at different speeds; serving has ``collective_timeout_s``.
 
-The fingerprint and what it covers: ``runtime.fingerprint``.
+The fingerprint and what it covers: ``runtime.execution.fingerprint``.
 
 Cost (best of 5 runs of 100 on this project's loaded 2-core CPU machine, torch 2.13;
-``python -m runtime.fingerprint`` prints the fingerprint table on yours). The fingerprint
+``python -m runtime.execution.fingerprint`` prints the fingerprint table on yours). The fingerprint
 is linear in the number of Python objects in the request and constant per large
 tensor: 19 us for a small dict, 130 us for a qwen3 request of 1,000 token ids,
 about 45 us per tensor over ``FULL_BYTES`` whatever its size (183 us for four
@@ -70,12 +70,12 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
-from runtime.config import DeploymentConfig, EngineArgs
-from runtime.errors import EngineUnavailableError, PhyrtError, RequestMismatchError
-from runtime.executor import ReplicaExecutor
-from runtime.fingerprint import request_fingerprint
-from runtime.futures import resolve
-from runtime.plugins import Entry
+from runtime.core.config import DeploymentConfig, EngineArgs
+from runtime.core.errors import EngineUnavailableError, PhyrtError, RequestMismatchError
+from runtime.execution.executor import ReplicaExecutor
+from runtime.execution.fingerprint import request_fingerprint
+from runtime.core.futures import resolve
+from runtime.core.plugins import Entry
 
 __all__ = ["ExternalExecutor", "RequestMismatchError", "request_fingerprint", "launcher_env"]
 
@@ -150,7 +150,7 @@ class ExternalExecutor(ReplicaExecutor):
         import torch.distributed as dist
 
         from runtime import parallel as P
-        from workers.core import EngineCore, make_context
+        from runtime.execution.engine_core import EngineCore, make_context
 
         if deployment.devices is not None:
             raise ValueError(f"external mode takes each rank's device from LOCAL_RANK; leave "

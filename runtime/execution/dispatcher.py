@@ -15,8 +15,8 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Sequence
 
-from runtime.errors import EngineUnavailableError
-from runtime.executor import ReplicaExecutor, ReplicaStatus
+from runtime.core.errors import EngineUnavailableError
+from runtime.execution.executor import ReplicaExecutor, ReplicaStatus
 
 
 class RequestDispatcher:

@@ -120,7 +120,7 @@ def _numpy(arr: Any, np: Any) -> msgpack.ExtType:
 
 
 def _measure() -> None:
-    """Print the fingerprint's cost on this machine (``python -m runtime.fingerprint``): best of 5."""
+    """Print the fingerprint's cost on this machine (``python -m runtime.execution.fingerprint``): best of 5."""
     import timeit
 
     import torch

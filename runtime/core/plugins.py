@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, ClassVar
 
-from runtime.config import ParallelConfig
+from runtime.core.config import ParallelConfig
 
 ENTRY_POINT_GROUP = "phyrt.plugins"
 KNOWN_DOMAINS = frozenset({"dense", "attention", "moe", "cfg", "pipeline"})

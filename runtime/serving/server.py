@@ -1,4 +1,4 @@
-"""Server: an Engine behind a ZeroMQ ROUTER socket (the wire is described in runtime.protocol).
+"""Server: an Engine behind a ZeroMQ ROUTER socket (the wire is described in runtime.transport.protocol).
 
     clients (DEALER)                  I/O thread                                         engine
     [header, *tensor frames] ----->  recv (tensor frames: no copy), decode, check,
@@ -21,7 +21,7 @@ takes it back when the request is done; if the request still runs at the other
 thread's next look (every ``_STANDBY_TICK_S``), that thread takes the loop, so the
 socket, pings and deadlines wait at most that long for a long request. A submit that
 finds the engine busy goes to the engine's thread. Before sleeping, the looping
-thread polls for a short while (``runtime.spin``) while the engine holds nothing: a
+thread polls for a short while (``runtime.transport.spin``) while the engine holds nothing: a
 thread woken from sleep ran this path about twice as slowly on our machines.
 
 Invariants:
@@ -49,7 +49,7 @@ Invariants:
   failure, whichever comes first (``InFlight.claim_reply`` decides, under its
   lock); a result that comes later is dropped.
 - ``max_inflight`` counts requests the engine still holds, answered or not.
-- Shared memory (ipc:// only) is per connection (``runtime.server_shm``): inputs
+- Shared memory (ipc:// only) is per connection (``runtime.serving.shm``): inputs
   from segments that the client registered (mapped, then unlinked at once), results
   into an arena the server keeps for that client, each name unlinked once the client
   has mapped it. A client silent for ``client_timeout_s`` loses this state.
@@ -80,18 +80,18 @@ import numpy as np
 import torch
 import zmq
 
-from runtime.endpoints import CurveKeys, check_address
-from runtime.errors import EngineUnavailableError, ProtocolError
-from runtime.metrics import NullMetrics
-from runtime.protocol import (MAX_TENSOR_FRAMES, PROTOCOL_VERSION, TensorResolver, is_request_id, pack_header,
+from runtime.transport.endpoints import CurveKeys, check_address
+from runtime.core.errors import EngineUnavailableError, ProtocolError
+from runtime.serving.metrics import NullMetrics
+from runtime.transport.protocol import (MAX_TENSOR_FRAMES, PROTOCOL_VERSION, TensorResolver, is_request_id, pack_header,
                               unpack_header)
-from runtime.server_requests import (HEADER_FIELDS, OP_FIELDS, InFlight, Outcome, Rejected, Request, RunningHere,
+from runtime.serving.requests import (HEADER_FIELDS, OP_FIELDS, InFlight, Outcome, Rejected, Request, RunningHere,
                                      clip, no_frames, outcome_of, outcome_of_result, register_fields, release_blocks,
                                      request_tensor, submit_options)
-from runtime.server_shm import ClientShm, ShmClientsFull, ShmSessions
-from runtime.shm import sweep_stale
-from runtime.spin import SERVER_SPIN_US, budget_ns, spin
-from runtime.wake_pipe import WakePipe
+from runtime.serving.shm import ClientShm, ShmClientsFull, ShmSessions
+from runtime.transport.shm import sweep_stale
+from runtime.transport.spin import SERVER_SPIN_US, budget_ns, spin
+from runtime.transport.wake_pipe import WakePipe
 
 log = logging.getLogger("phyrt.server")
 
@@ -165,7 +165,7 @@ class Server:
         self._looper: int | None = None
         self._run_here = engine.mode == "inline"  # (Engine.run_if_idle declines in other modes anyway)
         self._may_run_here = False
-        # the looping thread polls a moment before sleeping (runtime.spin) when it runs requests itself
+        # the looping thread polls a moment before sleeping (runtime.transport.spin) when it runs requests itself
         self._spin_budget = budget_ns("PHYRT_SERVER_SPIN_US", SERVER_SPIN_US) if self._run_here else 0
         self._next_housekeeping = time.monotonic() + _HOUSEKEEPING_S
         self._closed = False

@@ -20,8 +20,8 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from runtime.config import EngineConfig
-from runtime.plugins import BuildContext, Entry
+from runtime.core.config import EngineConfig
+from runtime.core.plugins import BuildContext, Entry
 
 Completion = tuple[Any, Any, BaseException | None]
 

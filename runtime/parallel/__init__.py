@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.config import ParallelConfig
+from runtime.core.config import ParallelConfig
 
 GROUP_NAMES = (
     "world", "pipeline", "cfg", "dense_tp", "dense_dp",

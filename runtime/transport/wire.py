@@ -1,6 +1,6 @@
 """The wire codec: msgpack messages with tensors as typed msgpack extensions.
 
-Leaf module: imports nothing from the project but ``runtime.errors``. torch is
+Leaf module: imports nothing from the project but ``runtime.core.errors``. torch is
 imported lazily, only when a torch tensor is encoded or torch output is asked
 for, so that a torch-free client (pyzmq, msgpack, numpy) can use it.
 
@@ -48,10 +48,10 @@ from typing import Any, Protocol
 import msgpack
 import numpy as np
 
-from runtime.errors import ProtocolError
+from runtime.core.errors import ProtocolError
 
 if sys.byteorder != "little":  # the wire carries raw little-endian bytes
-    raise ImportError("runtime.wire supports little-endian hosts only")
+    raise ImportError("runtime.transport.wire supports little-endian hosts only")
 
 PROTOCOL_VERSION = 1
 EXT_INLINE, EXT_SHM, EXT_CUDA_IPC = 1, 2, 3
@@ -80,13 +80,13 @@ def _is_int(value: Any) -> bool:
 
 
 class Allocator(Protocol):
-    """Where the encoder puts large CPU tensors (``runtime.shm.ShmArena``)."""
+    """Where the encoder puts large CPU tensors (``runtime.transport.shm.ShmArena``)."""
 
     def place(self, nbytes: int) -> tuple[str, int, memoryview]: ...
 
 
 class Mapper(Protocol):
-    """How the decoder reaches them (``runtime.shm.ShmMapper``); raises ProtocolError."""
+    """How the decoder reaches them (``runtime.transport.shm.ShmMapper``); raises ProtocolError."""
 
     def view(self, segment: str, offset: int, nbytes: int) -> memoryview: ...
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any
 
-from runtime.executor import ReplicaExecutor
+from runtime.execution.executor import ReplicaExecutor
 
 
 class MultiprocessExecutor(ReplicaExecutor):

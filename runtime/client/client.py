@@ -1,9 +1,9 @@
-"""The light client of ``runtime.server``: ``Client`` (threads) and ``AsyncClient`` (asyncio).
+"""The light client of ``runtime.serving.server``: ``Client`` (threads) and ``AsyncClient`` (asyncio).
 
 Needs pyzmq, msgpack and numpy only: torch is used when the caller hands in torch
 tensors or asks for torch results, never imported here otherwise. The wire, the
-ops and the shared-memory protocol are described in ``runtime.protocol``; the
-errors are in ``runtime.client_errors`` (and importable from here).
+ops and the shared-memory protocol are described in ``runtime.transport.protocol``; the
+errors are in ``runtime.client.errors`` (and importable from here).
 
     caller threads                                            server (ROUTER)
     submit(payload) / call(payload)
@@ -25,7 +25,7 @@ switches per round trip (tens of µs each under the GIL on a busy machine). So a
 caller sends from its own thread, and a caller blocked in ``call()`` reads the
 replies itself when no other thread does (leader/follower): a lone caller's round
 trip involves no other Python thread of this process. Such a caller polls for up to
-300 µs before it sleeps (``runtime.spin``; ``PHYRT_CLIENT_SPIN_US``, 0 = off; off on
+300 µs before it sleeps (``runtime.transport.spin``; ``PHYRT_CLIENT_SPIN_US``, 0 = off; off on
 a single core): a small request's answer then finds it awake, and a long request
 costs at most that much CPU.
 
@@ -45,7 +45,7 @@ Invariants:
   collected the block waits in the session's ``released`` for the next message or
   heartbeat, which carries its ``release`` (a send of its own would wake other
   threads, which costs a caller its CPU on a busy machine). Every future is
-  completed once (``runtime.futures.resolve``).
+  completed once (``runtime.core.futures.resolve``).
 
 Shared-memory results (ipc://). A result tensor of at least 64 KiB comes back as a
 *view* of the block the server wrote it into, in shared memory, not as a copy: a
@@ -61,7 +61,7 @@ numpy array (or ``torch.from_numpy`` of one, with ``tensor_type="torch"``) whose
 - writable: the block is yours until it is collected, and the server neither
   reads nor writes it meanwhile (writing into it changes nothing anywhere else);
 - memory the server set aside for this client: unreleased result blocks of one
-  client hold at most ``runtime.server_shm.RESULT_SHM_LIMIT`` bytes (512 MiB), and
+  client hold at most ``runtime.serving.shm.RESULT_SHM_LIMIT`` bytes (512 MiB), and
   past that the server sends results as frames, which are copied. Keeping many
   results for long (a dataset, say) is where ``.copy()`` (and dropping the view)
   helps: it gives the block back to the server at once.
@@ -105,18 +105,18 @@ import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from runtime.client_errors import (ConnectionLostError, DeadlineExceededError, InvalidRequestError,
+from runtime.client.errors import (ConnectionLostError, DeadlineExceededError, InvalidRequestError,
                                    OverloadedError, PluginError, ServerError, ServerUnavailableError,
                                    error_from_reply)
-from runtime.client_shm import ShmSession
-from runtime.endpoints import load_key
-from runtime.errors import ProtocolError
-from runtime.futures import resolve
-from runtime.protocol import (DEFAULT_SHM_THRESHOLD, PROTOCOL_VERSION, PayloadEncoder, TensorResolver, numpy_tensor,
+from runtime.client.shm import ShmSession
+from runtime.transport.endpoints import load_key
+from runtime.core.errors import ProtocolError
+from runtime.core.futures import resolve
+from runtime.transport.protocol import (DEFAULT_SHM_THRESHOLD, PROTOCOL_VERSION, PayloadEncoder, TensorResolver, numpy_tensor,
                               numpy_view, pack_header, torch_tensor, torch_view, unpack_header)
-from runtime.shm import sweep_stale
-from runtime.spin import CLIENT_SPIN_US, budget_ns, spin
-from runtime.wake_pipe import WakePipe
+from runtime.transport.shm import sweep_stale
+from runtime.transport.spin import CLIENT_SPIN_US, budget_ns, spin
+from runtime.transport.wake_pipe import WakePipe
 
 __all__ = [
     "AsyncClient", "Client", "ConnectionLostError", "DeadlineExceededError", "InvalidRequestError",
@@ -243,7 +243,7 @@ class Client:
         self._shm = address.startswith("ipc://") and shm is not False
         self._shm_threshold = shm_threshold
         self._hb_interval = heartbeat_interval_s
-        # a caller waiting for its answer polls a moment before sleeping (runtime.spin)
+        # a caller waiting for its answer polls a moment before sleeping (runtime.transport.spin)
         self._spin_budget = budget_ns("PHYRT_CLIENT_SPIN_US", CLIENT_SPIN_US)
         self._hb_timeout = heartbeat_timeout_s
         self._ids = itertools.count()
@@ -545,7 +545,7 @@ class Client:
 
     def _poll(self, poller: zmq.Poller, timeout_s: float, done: list, spin_budget: int = 0) -> dict:
         """Holding the socket: send what is queued, wait up to ``timeout_s`` for a message and read it
-        (polling for ``spin_budget`` ns before sleeping: ``runtime.spin``)."""
+        (polling for ``spin_budget`` ns before sleeping: ``runtime.transport.spin``)."""
         self._polling = True
         try:
             if self._outbox:

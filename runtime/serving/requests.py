@@ -1,6 +1,6 @@
 """Requests on the server: what each op may carry, the requests in flight, and their replies.
 
-Imports only ``runtime.errors``, ``runtime.protocol`` and ``runtime.server_shm``
+Imports only ``runtime.core.errors``, ``runtime.transport.protocol`` and ``runtime.serving.shm``
 from the project; torch, for the request tensors.
 
     I/O thread                                  engine thread (the future's done callback)
@@ -37,9 +37,9 @@ from typing import Any, Iterator
 
 import torch
 
-from runtime.errors import EngineUnavailableError, ProtocolError, RemoteError
-from runtime.protocol import PayloadEncoder
-from runtime.server_shm import ClientShm
+from runtime.core.errors import EngineUnavailableError, ProtocolError, RemoteError
+from runtime.transport.protocol import PayloadEncoder
+from runtime.serving.shm import ClientShm
 
 #: results at least this large go into the client's result arena when it asked for shm
 RESULT_SHM_THRESHOLD = 64 * 1024

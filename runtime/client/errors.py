@@ -1,9 +1,9 @@
 """The errors a ``Client`` raises: a server's error reply, or a lost connection.
 
-Leaf module: imports nothing from the project but ``runtime.errors``, nothing
+Leaf module: imports nothing from the project but ``runtime.core.errors``, nothing
 beyond the standard library, so that the torch-free client and the server share
 these types. ``type`` is the name a reply's ``error.type`` carries on the wire
-(see ``runtime.protocol``):
+(see ``runtime.transport.protocol``):
 
     ServerError                         any error reply; an unknown type keeps its name
     ├── InvalidRequestError (ValueError)        InvalidRequest
@@ -11,7 +11,7 @@ these types. ``type`` is the name a reply's ``error.type`` carries on the wire
     ├── OverloadedError                         Overloaded
     ├── PluginError                             PluginError
     └── ServerUnavailableError                  EngineUnavailable
-        │   (also runtime.errors.EngineUnavailableError)
+        │   (also runtime.core.errors.EngineUnavailableError)
         └── ConnectionLostError                 raised by the client itself, never sent
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.errors import EngineUnavailableError, PhyrtError
+from runtime.core.errors import EngineUnavailableError, PhyrtError
 
 
 class ServerError(PhyrtError):

@@ -1,6 +1,6 @@
 """Shared-memory arenas: how large CPU tensors cross a process boundary on one host.
 
-Imports only ``runtime.errors`` from the project (and numpy); no torch.
+Imports only ``runtime.core.errors`` from the project (and numpy); no torch.
 
     owner process: ShmArena                     peer process: ShmMapper
     creates /dev/shm/phyrt-<run>-<pid>-<seq>
@@ -49,7 +49,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from runtime.errors import ProtocolError
+from runtime.core.errors import ProtocolError
 
 try:  # optional: detects pid reuse and zombies, which os.kill(pid, 0) cannot
     import psutil

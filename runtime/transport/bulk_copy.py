@@ -1,6 +1,6 @@
 """Copy a large tensor into shared memory with a helper thread taking part.
 
-Imports only ``runtime.spin`` from the project; standard library and numpy otherwise (the
+Imports only ``runtime.transport.spin`` from the project; standard library and numpy otherwise (the
 torch-free client imports it).
 
 A same-host request with an image in it costs two copies of the image: the client's
@@ -30,7 +30,7 @@ import threading
 
 import numpy as np
 
-from runtime import spin
+from runtime.transport import spin
 
 #: copies smaller than this are done by the caller alone (a helper's wake-up would cost more)
 SPLIT_MIN_BYTES = 1 << 20

@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.errors import EngineUnavailableError
+from runtime.core.errors import EngineUnavailableError
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,143 @@
+"""The qwen3 plugin's arguments (``Qwen3Args``) and request parsing (``parse_request``),
+shared by the entry (validation in the caller) and the runner (on every rank)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from models.qwen3.sequence import SamplingParams
+
+
+def _int(where: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"qwen3 {where} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"qwen3 {where} must be >= {minimum}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class Qwen3Args:
+    model: str
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    block_size: int = 16
+    kv_cache_blocks: int | None = None
+    enforce_eager: bool = False
+    static_decode: bool = False
+    max_seq_len_to_capture: int = 8192
+    # read from the checkpoint's config.json (and generation_config.json for EOS)
+    vocab_size: int = 0
+    max_positions: int = 0
+    eos_ids: frozenset[int] = frozenset()
+    num_heads: int = 0
+    num_kv_heads: int = 0
+
+    @classmethod
+    def parse(cls, plugin_args: Any) -> "Qwen3Args":
+        if not isinstance(plugin_args, dict):
+            raise TypeError(f"qwen3 plugin_args must be a dict with at least 'model', got {plugin_args!r}")
+        known = ("model", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_blocks",
+                 "enforce_eager", "static_decode", "max_seq_len_to_capture")
+        unknown = sorted(str(k) for k in plugin_args if k not in known)
+        if unknown:
+            raise ValueError(f"qwen3 plugin_args has unknown keys {unknown}; known: {list(known)}")
+        if "model" not in plugin_args:
+            raise ValueError("qwen3 plugin_args needs 'model', a Hugging Face checkpoint directory")
+        args = dict(plugin_args)
+        if not isinstance(args["model"], str):
+            raise TypeError(f"qwen3 plugin_args['model'] must be a directory path string, got {args['model']!r}")
+        for key in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_seq_len_to_capture"):
+            if key in args:
+                _int(f"plugin_args[{key!r}]", args[key], 1)
+        if args.get("kv_cache_blocks") is not None:
+            _int("plugin_args['kv_cache_blocks']", args["kv_cache_blocks"], 1)
+        for key in ("enforce_eager", "static_decode"):
+            if key in args and not isinstance(args[key], bool):
+                raise TypeError(f"qwen3 plugin_args[{key!r}] must be a bool, got {args[key]!r}")
+        path = Path(args["model"])
+        if not (path / "config.json").is_file():
+            raise ValueError(f"qwen3 plugin_args['model']={args['model']!r} is not a checkpoint directory "
+                             "(no config.json there)")
+        config = json.loads((path / "config.json").read_text())
+        eos = config.get("eos_token_id")
+        generation = path / "generation_config.json"
+        if generation.is_file():  # transformers.generate stops on this one when it is set
+            eos = json.loads(generation.read_text()).get("eos_token_id", eos)
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        missing = [k for k in ("vocab_size", "max_position_embeddings", "num_attention_heads") if k not in config]
+        if missing:
+            raise ValueError(f"qwen3: {path / 'config.json'} lacks {missing}")
+        heads = config["num_attention_heads"]
+        return cls(**args, vocab_size=config["vocab_size"], max_positions=config["max_position_embeddings"],
+                   eos_ids=frozenset(eos), num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads)
+
+
+_REQUEST_KEYS = ("prompt_token_ids", *(f.name for f in fields(SamplingParams)))
+
+
+def parse_request(request: Any, args: Qwen3Args) -> tuple[list[list[int]], SamplingParams]:
+    """The prompts and sampling parameters of a request, or TypeError/ValueError."""
+    if not isinstance(request, dict):
+        raise TypeError(f"qwen3 request must be a dict, got {type(request).__name__}")
+    unknown = sorted(str(k) for k in request if k not in _REQUEST_KEYS)
+    if unknown:
+        raise ValueError(f"qwen3 request has unknown keys {unknown}; known: {list(_REQUEST_KEYS)}")
+    for key in ("prompt_token_ids", "max_tokens"):
+        if key not in request:
+            raise ValueError(f"qwen3 request needs {key!r}")
+    prompts = request["prompt_token_ids"]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise (ValueError if isinstance(prompts, (list, tuple)) else TypeError)(
+            f"qwen3 prompt_token_ids must be a non-empty list of ints or of lists of ints, got {prompts!r}")
+    if not isinstance(prompts[0], (list, tuple)):
+        prompts = [prompts]
+    vocab = args.vocab_size
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, (list, tuple)):
+            raise TypeError(f"qwen3 prompt {i} must be a list of ints, got {prompt!r}")
+        if not prompt:
+            raise ValueError(f"qwen3 prompt {i} is empty")
+        for token in prompt:
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise TypeError(f"qwen3 prompt {i} holds {token!r}, not an int token id")
+            if not 0 <= token < vocab:
+                raise ValueError(f"qwen3 prompt {i} holds token id {token}, outside the vocabulary [0, {vocab})")
+    max_tokens = _int("max_tokens", request["max_tokens"], 1)
+    longest = max(map(len, prompts)) + max_tokens
+    if longest > args.max_positions:
+        raise ValueError(f"qwen3 prompt ({longest - max_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
+                         f"model's max_position_embeddings {args.max_positions}")
+    if args.kv_cache_blocks is not None and math.ceil((longest - 1) / args.block_size) > args.kv_cache_blocks:
+        raise ValueError(f"qwen3 prompt + max_tokens ({longest}) cannot fit kv_cache_blocks={args.kv_cache_blocks} "
+                         f"blocks of {args.block_size} tokens")
+    temperature = request.get("temperature", 0.0)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"qwen3 temperature must be a number, got {temperature!r}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"qwen3 temperature must be finite and >= 0, got {temperature}")
+    top_k = _int("top_k", request.get("top_k", 0), 0)
+    top_p = request.get("top_p", 1.0)
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)):
+        raise TypeError(f"qwen3 top_p must be a number, got {top_p!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"qwen3 top_p must be in (0, 1], got {top_p}")
+    seed = request.get("seed")
+    if seed is not None and not 0 <= _int("seed", seed, 0) < 2**63:
+        raise ValueError(f"qwen3 seed must be None or an int in [0, 2**63), got {seed}")
+    ignore_eos = request.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise TypeError(f"qwen3 ignore_eos must be a bool, got {ignore_eos!r}")
+    stop = request.get("stop_token_ids", [])
+    if not isinstance(stop, (list, tuple)):
+        raise TypeError(f"qwen3 stop_token_ids must be a list of ints, got {stop!r}")
+    for token in stop:
+        if not 0 <= _int("stop_token_ids entry", token, 0) < vocab:
+            raise ValueError(f"qwen3 stop token id {token} is outside the vocabulary [0, {vocab})")
+    params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_k=top_k,
+                            top_p=float(top_p), seed=seed, ignore_eos=ignore_eos, stop_token_ids=tuple(stop))
+    return [list(p) for p in prompts], params
