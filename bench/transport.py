@@ -6,7 +6,7 @@
     inline engine   step() -> serve thread -> Future              -
     local engine    step(): wire encode (tensors into shm), PUSH ===> every rank: decode, echo, encode
                     step() reads its own answer: ROUTER <====== rank 0 answers (shm views)
-                    (polls up to 100 µs first when a core is spare; supervisor.SPIN_S)
+                    (polls up to 100 µs first when a core is spare; runtime.transport.spin)
     floor           os.write / os.read  ===================> pipe echo (raw bytes)
     floor           DEALER + msgpack    ===================> ROUTER echo (msgpack)
     baseline        DEALER + pickle     ===================> ROUTER echo (pickle)
@@ -61,7 +61,7 @@ from runtime.core.config import (DenseParallelConfig, DeploymentConfig, DeviceCo
 from runtime.engine import Engine
 from runtime.core.plugins import Entry
 from runtime.transport.shm import ShmArena, ShmMapper, new_run_id
-from supervisor import supervisor as supervisor_module
+from runtime.transport.spin import budget_ns
 
 PLUGIN = "bench.transport:EchoEntry"
 MIB = 1 << 20
@@ -198,7 +198,7 @@ def measure_tensor(mib: int, subjects: list[tuple[Any, int]], progress: Progress
 
 def _spins() -> bool:
     """Whether a one-rank local engine's caller polls before sleeping on this machine."""
-    return supervisor_module.SPIN_S > 0 and len(os.sched_getaffinity(0)) > 1
+    return budget_ns("caller") > 0
 
 
 def codec_costs(n: int) -> tuple[float, float]:
@@ -420,7 +420,7 @@ def run(args: argparse.Namespace, progress: Progress, workdir: str, pids: set[in
                "the caller's engine layers (dispatcher, executor, future) and the rank's serve loop. The "
                "caller in `step()` reads its own answer (no supervisor thread involved) and, with a core "
                f"to spare (here: {'yes' if _spins() else 'no'}), polls up to "
-               f"{supervisor_module.SPIN_S * 1e6:.0f} µs before it sleeps; the bare echo's client sleeps "
+               f"{budget_ns('caller') / 1e3:.0f} µs before it sleeps; the bare echo's client sleeps "
                "in `recv` at once.",
                "", tensor_table(tensors, labels), "",
                targets_table(small, tensors[64], labels, local.label, zmq_msgpack.label)]

@@ -19,11 +19,11 @@ costs a thread switch and a fight for the GIL on each round trip. So, as in
 (leader/follower), and a lone caller's round trip involves no other thread of this
 process. Heartbeats have a socket of their own that only the I/O thread reads, so
 they are watched whoever reads the answers. When the machine has a core to spare
-(more cores than ranks), the reading caller polls for up to ``SPIN_S`` (100 µs;
-environment ``PHYRT_SPIN_US``, 0 turns it off) before it sleeps in ``poll``: a
+(more cores than ranks), the reading caller polls for up to 100 µs (``runtime.transport.spin``;
+``PHYRT_SPIN_US``, 0 turns it off) before it sleeps in ``poll``: a
 short answer then costs no wake-up of a sleeping thread, and a long one at most
 that much of one core. Each rank likewise looks for its next request for up to
-``runtime.transport.spin.WORKER_SPIN_US`` after an answer (``worker_spin_ns``, sent in its boot).
+300 µs (``runtime.transport.spin``) after an answer (``worker_spin_ns``, sent in its boot).
 
 Invariants:
 - The ctl ROUTER is used only by the thread holding the reader role
@@ -99,7 +99,7 @@ from runtime.core.config import EngineArgs, WorkerSupervisorConfig, dtype_name
 from runtime.core.errors import EngineUnavailableError, ProtocolError, RemoteError, WorkerStartupError
 from runtime.core.futures import resolve
 from runtime.transport.shm import ShmArena, ShmMapper, new_run_id, sweep_creators, sweep_run, sweep_stale
-from runtime.transport.spin import WORKER_SPIN_US, budget_ns, usable_cores
+from runtime.transport.spin import budget_ns, usable_cores
 from runtime.transport.wake_pipe import WakePipe
 from supervisor.groups import (GroupState, LockedArena, PendingRequest, RankState, ReapedProcess, ResultMapper,
                               free_blocks)
@@ -123,9 +123,6 @@ EXIT_CODE_WAIT_S = 1.0
 # plain ints: ``getsockopt(EVENTS) & zmq.POLLOUT`` would build an enum member on every call
 _POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 _NOBLOCK = int(zmq.NOBLOCK)
-#: how long a caller reading its own answer polls before it sleeps in poll, when the machine
-#: has a core for it besides one per rank (waking a sleeping thread costs tens of µs)
-SPIN_S = float(os.environ.get("PHYRT_SPIN_US", "100")) / 1e6
 _PEER_LOSS = re.compile(r"connection (?:reset|closed|refused|aborted)|by peer|broken pipe|econnreset|epipe"
                         r"|remote process|gloo|nccl|socket|timed? ?out", re.IGNORECASE)
 
@@ -168,7 +165,7 @@ class WorkerSupervisor:
         self._reader_left = threading.Condition(self._submit_lock)
         self._reading = threading.local()  # .depth: how deeply this thread is inside lead()
         self._reader_pipe = WakePipe()  # wakes a caller that reads (a failure, close)
-        self._spin_s = 0.0  # see SPIN_S; set once the ranks are counted
+        self._spin_s = 0.0  # the reading caller's poll before sleeping (runtime.transport.spin); set once the ranks are counted
         # identity -> (group, rank): each rank's ctl DEALER and its heartbeat DEALER
         self._peers: dict[bytes, tuple[GroupState, RankState]] = {}
         self._beats: dict[bytes, RankState] = {}
@@ -215,9 +212,9 @@ class WorkerSupervisor:
                 check_port_free(self.config.base_port + i, i)
         total = sum(len(p) for p in placement)
         spare_core = total < usable_cores()
-        self._spin_s = SPIN_S if spare_core else 0.0
+        self._spin_s = budget_ns("caller") / 1e9 if spare_core else 0.0
         # a rank looks for the next request a moment after answering one (see runtime.transport.spin)
-        self.worker_spin_ns = budget_ns("PHYRT_WORKER_SPIN_US", WORKER_SPIN_US) if spare_core else 0
+        self.worker_spin_ns = budget_ns("worker") if spare_core else 0
         # the engine process needs a core's share too (it encodes and copies tensors)
         threads = max(1, (os.cpu_count() or 1) // (total + 1))
         device_cfg = self._args.config.device

@@ -114,7 +114,7 @@ def test_thread_count_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
     assert bulk_copy.threads_from_env() == 3
     monkeypatch.setenv(bulk_copy.ENV, "1")
     assert bulk_copy.threads_from_env() == 1
-    for bad in ("0", "-2", "two"):
+    for bad in ("0", "-2", "two", "1.5"):
         monkeypatch.setenv(bulk_copy.ENV, bad)
         with pytest.raises(ValueError, match=bulk_copy.ENV):
             bulk_copy.threads_from_env()

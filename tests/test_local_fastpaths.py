@@ -263,23 +263,23 @@ def test_a_caller_waiting_on_a_long_request_does_not_burn_a_core():
         engine.step({"op": "pid"}, timeout=30)
         cpu = time.thread_time()
         assert engine.step({"op": "sleep", "s": 0.5}, timeout=30)["replica"] == 0
-        # at most the short poll before sleeping (supervisor.SPIN_S, 100 µs), plus the round
+        # at most the short poll before sleeping (runtime.transport.spin.BUDGETS_US["caller"], 100 µs), plus the round
         # trip's own work: not half a second of polling
         assert time.thread_time() - cpu < 0.1
 
 
 @pytest.mark.usefixtures("no_leaks")
 def test_a_rank_looks_for_its_next_request_a_moment_after_answering_then_sleeps():
-    """Each rank polls for up to WORKER_SPIN_US after an answer when the ranks leave the engine
+    """Each rank polls for up to BUDGETS_US["worker"] after an answer when the ranks leave the engine
     process a core (0 otherwise), and sleeps after it: an idle rank costs no CPU."""
     import psutil
 
-    from runtime.transport.spin import WORKER_SPIN_US
+    from runtime.transport.spin import BUDGETS_US
 
     cores = len(os.sched_getaffinity(0))
     with local_engine(replicas=1) as engine:
         sup = supervisor_of(engine)
-        assert sup.worker_spin_ns == (WORKER_SPIN_US * 1000 if cores > 1 else 0)
+        assert sup.worker_spin_ns == (BUDGETS_US["worker"] * 1000 if cores > 1 else 0)
         [pid] = group_pids(engine, 0)
         rank = psutil.Process(pid)
         for _ in range(20):

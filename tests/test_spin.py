@@ -2,33 +2,53 @@
 
 from __future__ import annotations
 
+import pathlib
+import re
 import time
 
 import pytest
 
 from runtime.transport import spin as spin_module
-from runtime.transport.spin import budget_ns, spin
+from runtime.core import env
+from runtime.transport.spin import BUDGETS_US, budget_ns, spin
 
 pytestmark = pytest.mark.timeout(30)
 
 
-def test_budget_from_the_environment_or_the_default(monkeypatch):
+def test_budget_from_the_environment_or_the_side_default(monkeypatch):
     monkeypatch.setattr(spin_module, "usable_cores", lambda: 4)
-    monkeypatch.delenv("PHYRT_TEST_SPIN_US", raising=False)
-    assert budget_ns("PHYRT_TEST_SPIN_US", 300) == 300_000
-    monkeypatch.setenv("PHYRT_TEST_SPIN_US", "50")
-    assert budget_ns("PHYRT_TEST_SPIN_US", 300) == 50_000
-    monkeypatch.setenv("PHYRT_TEST_SPIN_US", "0")
-    assert budget_ns("PHYRT_TEST_SPIN_US", 300) == 0
-    monkeypatch.setenv("PHYRT_TEST_SPIN_US", "fast")
-    with pytest.raises(ValueError, match="PHYRT_TEST_SPIN_US must be a number of microseconds"):
-        budget_ns("PHYRT_TEST_SPIN_US", 300)
+    monkeypatch.delenv("PHYRT_SPIN_US", raising=False)
+    assert {side: budget_ns(side) for side in BUDGETS_US} == {s: us * 1000 for s, us in BUDGETS_US.items()}
+    monkeypatch.setenv("PHYRT_SPIN_US", "50")
+    assert {budget_ns(side) for side in BUDGETS_US} == {50_000}
+    monkeypatch.setenv("PHYRT_SPIN_US", "0")
+    assert {budget_ns(side) for side in BUDGETS_US} == {0}
+    for bad in ("fast", "-1", "nan", "inf"):
+        monkeypatch.setenv("PHYRT_SPIN_US", bad)
+        with pytest.raises(ValueError, match="PHYRT_SPIN_US must be a number of microseconds >= 0"):
+            budget_ns("client")
 
 
 def test_no_spinning_on_a_single_core(monkeypatch):
     monkeypatch.setattr(spin_module, "usable_cores", lambda: 1)
-    monkeypatch.setenv("PHYRT_TEST_SPIN_US", "500")
-    assert budget_ns("PHYRT_TEST_SPIN_US", 300) == 0
+    monkeypatch.setenv("PHYRT_SPIN_US", "500")
+    assert {budget_ns(side) for side in BUDGETS_US} == {0}
+    monkeypatch.delenv("PHYRT_SPIN_US")
+    assert {budget_ns(side) for side in BUDGETS_US} == {0}
+
+
+def test_every_knob_is_read_in_one_module_and_documented():
+    """No PHYRT_* variable is read outside runtime.core.env, and the README lists each one."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    readers = []
+    for package in ("runtime", "supervisor", "workers", "models"):
+        for path in (root / package).rglob("*.py"):
+            text = path.read_text()
+            if re.search(r"os\.environ|getenv\(", text) and "PHYRT_" in text and path.name != "env.py":
+                readers.append(str(path.relative_to(root)))
+    assert readers == []
+    readme = (root / "README.md").read_text()
+    assert [knob for knob in env.KNOBS if f"`{knob}`" not in readme] == []
 
 
 def test_spin_returns_what_the_poll_found_at_once():

@@ -25,7 +25,7 @@ switches per round trip (tens of µs each under the GIL on a busy machine). So a
 caller sends from its own thread, and a caller blocked in ``call()`` reads the
 replies itself when no other thread does (leader/follower): a lone caller's round
 trip involves no other Python thread of this process. Such a caller polls for up to
-300 µs before it sleeps (``runtime.transport.spin``; ``PHYRT_CLIENT_SPIN_US``, 0 = off; off on
+300 µs before it sleeps (``runtime.transport.spin``; ``PHYRT_SPIN_US``, 0 = off; off on
 a single core): a small request's answer then finds it awake, and a long request
 costs at most that much CPU.
 
@@ -115,7 +115,7 @@ from runtime.core.futures import resolve
 from runtime.transport.protocol import (DEFAULT_SHM_THRESHOLD, PROTOCOL_VERSION, PayloadEncoder, TensorResolver, numpy_tensor,
                               numpy_view, pack_header, torch_tensor, torch_view, unpack_header)
 from runtime.transport.shm import sweep_stale
-from runtime.transport.spin import CLIENT_SPIN_US, budget_ns, spin
+from runtime.transport.spin import budget_ns, spin
 from runtime.transport.wake_pipe import WakePipe
 
 __all__ = [
@@ -244,7 +244,7 @@ class Client:
         self._shm_threshold = shm_threshold
         self._hb_interval = heartbeat_interval_s
         # a caller waiting for its answer polls a moment before sleeping (runtime.transport.spin)
-        self._spin_budget = budget_ns("PHYRT_CLIENT_SPIN_US", CLIENT_SPIN_US)
+        self._spin_budget = budget_ns("client")
         self._hb_timeout = heartbeat_timeout_s
         self._ids = itertools.count()
         self._lock = threading.Lock()  # pending, held, awaited, the reader, closed

@@ -90,7 +90,7 @@ from runtime.serving.requests import (HEADER_FIELDS, OP_FIELDS, InFlight, Outcom
                                      request_tensor, submit_options)
 from runtime.serving.shm import ClientShm, ShmClientsFull, ShmSessions
 from runtime.transport.shm import sweep_stale
-from runtime.transport.spin import SERVER_SPIN_US, budget_ns, spin
+from runtime.transport.spin import budget_ns, spin
 from runtime.transport.wake_pipe import WakePipe
 
 log = logging.getLogger("phyrt.server")
@@ -166,7 +166,7 @@ class Server:
         self._run_here = engine.mode == "inline"  # (Engine.run_if_idle declines in other modes anyway)
         self._may_run_here = False
         # the looping thread polls a moment before sleeping (runtime.transport.spin) when it runs requests itself
-        self._spin_budget = budget_ns("PHYRT_SERVER_SPIN_US", SERVER_SPIN_US) if self._run_here else 0
+        self._spin_budget = budget_ns("server") if self._run_here else 0
         self._next_housekeeping = time.monotonic() + _HOUSEKEEPING_S
         self._closed = False
         # request tensors are deliberately read-only views of the received frames

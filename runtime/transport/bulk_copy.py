@@ -30,6 +30,7 @@ import threading
 
 import numpy as np
 
+from runtime.core import env
 from runtime.transport import spin
 
 #: copies smaller than this are done by the caller alone (a helper's wake-up would cost more)
@@ -37,19 +38,13 @@ SPLIT_MIN_BYTES = 1 << 20
 #: the unit the caller and the helpers take in turn
 CHUNK_BYTES = 256 << 10
 DEFAULT_THREADS = 2
-ENV = "PHYRT_COPY_THREADS"
+ENV = env.COPY_THREADS
 
 
 def threads_from_env() -> int:
     """How many threads share a large copy: ``$PHYRT_COPY_THREADS``, else 2 (1 on one core)."""
-    raw = os.environ.get(ENV)
-    try:
-        wanted = int(raw) if raw is not None else DEFAULT_THREADS
-    except ValueError:
-        raise ValueError(f"{ENV} must be a whole number of threads, got {raw!r}") from None
-    if wanted < 1:
-        raise ValueError(f"{ENV} must be at least 1, got {wanted}")
-    return min(wanted, spin.usable_cores()) if raw is None else wanted
+    wanted = env.copy_threads()
+    return min(DEFAULT_THREADS, spin.usable_cores()) if wanted is None else wanted
 
 
 class _Job:

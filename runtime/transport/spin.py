@@ -1,26 +1,25 @@
 """Look for a message a short while before sleeping in ``poll``: a thread that sleeps is woken late.
 
-Leaf module: standard library only (the torch-free client imports it).
+Torch-free: imports only ``runtime.core.env`` of the project (the client imports it).
 
 On the machines we measured (virtual, 2 cores), a thread that sleeps in ``poll`` gives
 its CPU back to the host; when its answer comes, waking it, and running Python code
 with the caches gone cold, cost more than the rest of a small request's round trip
 (``bench.serving``: the server's submit path took ~100 µs woken against ~60 µs warm).
-So the server's I/O thread, after its last message, and a client caller waiting for
-its answer, first poll without sleeping for a short budget, yielding the core between
-looks (``os.sched_yield``: the client's and libzmq's own threads run meanwhile, so the
-spin does not starve the very work it waits for). A short exchange then completes
-with no sleep at all; a long wait costs at most the budget of one core, once.
+So a thread about to wait for a message first polls without sleeping for a short
+budget, yielding the core between looks (``os.sched_yield``: the other side's and
+libzmq's threads run meanwhile, so the spin does not starve the very work it waits
+for). A short exchange then completes with no sleep at all; a long wait costs at most
+the budget of one core, once.
 
-The budget is 0 (off) on a machine with a single usable core, where spinning only
-delays the other side. A local replica's rank does the same after each answer, for
-the next request (``WORKER_SPIN_US``), when the ranks leave the engine process a core:
-back-to-back small requests to a 1-rank replica took ~10 % less time on our 2-core VMs
-(an A/B of two engines side by side, 0 against 300 µs). Environment overrides:
-``PHYRT_SERVER_SPIN_US``, ``PHYRT_CLIENT_SPIN_US`` and ``PHYRT_WORKER_SPIN_US``
-(microseconds; 0 turns it off). The supervisor's reading caller has its own shorter
-poll (``supervisor.SPIN_S``, measured without yielding, and only when the ranks leave
-a core free; 300 µs measured no better than its 100).
+Budgets per side (``BUDGETS_US``, measured on 2-core VMs): the server's looping I/O
+thread 400 µs; a client caller 300 µs; a local rank after each answer 300 µs (~10 %
+less time for back-to-back small requests to a 1-rank replica, an A/B of 0 against
+300 µs); an engine caller reading its ranks' answers 100 µs (300 measured no better).
+``PHYRT_SPIN_US`` (``runtime.core.env``) sets one budget for every side; the budget
+is 0 on a single usable core, where spinning only delays the other side. The rank and
+engine-caller budgets apply only where the ranks leave the engine process a core (the
+supervisor decides).
 """
 
 from __future__ import annotations
@@ -29,19 +28,16 @@ import os
 import time
 from typing import Any, Callable
 
-#: default budgets, in microseconds
-SERVER_SPIN_US = 400
-CLIENT_SPIN_US = 300
-WORKER_SPIN_US = 300
+from runtime.core import env
+
+#: each side's default budget, in microseconds (see the module's docstring)
+BUDGETS_US = {"server": 400, "client": 300, "worker": 300, "caller": 100}
 
 
-def budget_ns(env: str, default_us: float) -> int:
-    """The spin budget in ns: ``$env`` if set (a number of µs), else ``default_us``; 0 on one core."""
-    raw = os.environ.get(env)
-    try:
-        us = float(raw) if raw is not None else float(default_us)
-    except ValueError:
-        raise ValueError(f"{env} must be a number of microseconds, got {raw!r}") from None
+def budget_ns(side: str) -> int:
+    """The spin budget of ``side`` (a key of ``BUDGETS_US``) in ns: ``PHYRT_SPIN_US`` if set,
+    else the side's default; 0 on a single usable core."""
+    us = env.spin_us(BUDGETS_US[side])
     if us <= 0 or usable_cores() < 2:
         return 0
     return int(us * 1000)
