@@ -170,16 +170,9 @@ def load_checkpoint(model: nn.Module, model_dir: str | Path, *,
     loaded: dict[int, set] = {pid: set() for pid in names_of}
     unexpected, mismatched = [], []
 
-    sizes = {}
-    for file, names in files.items():
-        with safe_open(str(model_dir / file), framework="pt") as f:
-            for name in names:
-                s = f.get_slice(name)
-                sizes[name] = _numel(s.get_shape()) * _DTYPE_BYTES.get(s.get_dtype(), 4)
+    sizes = _tensor_bytes(model_dir, files)
     bytes_total, tensors_total, counter, done, start = sum(sizes.values()), len(sizes), [0], 0, time.monotonic()
-    report = progress if callable(progress) else None
-    if progress is True or (progress is None and bytes_total >= AUTO_PROGRESS_BYTES):
-        report = lambda p: print(p.line(), file=sys.stderr, flush=True)  # noqa: E731
+    report = _reporter(progress, bytes_total)
 
     for i, (file, names) in enumerate(files.items()):
         with safe_open(str(model_dir / file), framework="pt") as f:
@@ -214,6 +207,26 @@ def load_checkpoint(model: nn.Module, model_dir: str | Path, *,
                 missing.append(ckpt_name)
     if missing or unexpected or mismatched:
         raise CheckpointError(model_dir, sorted(missing), sorted(unexpected), mismatched)
+
+
+def _tensor_bytes(model_dir: Path, files: dict[str, list[str]]) -> dict[str, int]:
+    """The size of every tensor of the checkpoint, from the file headers (no data read)."""
+    sizes = {}
+    for file, names in files.items():
+        with safe_open(str(model_dir / file), framework="pt") as f:
+            for name in names:
+                s = f.get_slice(name)
+                sizes[name] = _numel(s.get_shape()) * _DTYPE_BYTES.get(s.get_dtype(), 4)
+    return sizes
+
+
+def _reporter(progress: bool | Callable[[LoadProgress], None] | None,
+              bytes_total: int) -> Callable[[LoadProgress], None] | None:
+    if callable(progress):
+        return progress
+    if progress is True or (progress is None and bytes_total >= AUTO_PROGRESS_BYTES):
+        return lambda p: print(p.line(), file=sys.stderr, flush=True)
+    return None
 
 
 def _numel(shape: list[int]) -> int:

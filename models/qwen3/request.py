@@ -90,13 +90,26 @@ def parse_request(request: Any, args: Qwen3Args) -> tuple[list[list[int]], Sampl
     for key in ("prompt_token_ids", "max_tokens"):
         if key not in request:
             raise ValueError(f"qwen3 request needs {key!r}")
-    prompts = request["prompt_token_ids"]
+    prompts = _prompts(request["prompt_token_ids"], args.vocab_size)
+    max_tokens = _int("max_tokens", request["max_tokens"], 1)
+    longest = max(map(len, prompts)) + max_tokens
+    if longest > args.max_positions:
+        raise ValueError(f"qwen3 prompt ({longest - max_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
+                         f"model's max_position_embeddings {args.max_positions}")
+    if args.kv_cache_blocks is not None and math.ceil((longest - 1) / args.block_size) > args.kv_cache_blocks:
+        raise ValueError(f"qwen3 prompt + max_tokens ({longest}) cannot fit kv_cache_blocks={args.kv_cache_blocks} "
+                         f"blocks of {args.block_size} tokens")
+    params = _sampling(request, max_tokens, args.vocab_size)
+    return prompts, params
+
+
+def _prompts(prompts: Any, vocab: int) -> list[list[int]]:
+    """``prompt_token_ids`` as a list of prompts (a flat list is one), each checked."""
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise (ValueError if isinstance(prompts, (list, tuple)) else TypeError)(
             f"qwen3 prompt_token_ids must be a non-empty list of ints or of lists of ints, got {prompts!r}")
     if not isinstance(prompts[0], (list, tuple)):
         prompts = [prompts]
-    vocab = args.vocab_size
     for i, prompt in enumerate(prompts):
         if not isinstance(prompt, (list, tuple)):
             raise TypeError(f"qwen3 prompt {i} must be a list of ints, got {prompt!r}")
@@ -107,14 +120,10 @@ def parse_request(request: Any, args: Qwen3Args) -> tuple[list[list[int]], Sampl
                 raise TypeError(f"qwen3 prompt {i} holds {token!r}, not an int token id")
             if not 0 <= token < vocab:
                 raise ValueError(f"qwen3 prompt {i} holds token id {token}, outside the vocabulary [0, {vocab})")
-    max_tokens = _int("max_tokens", request["max_tokens"], 1)
-    longest = max(map(len, prompts)) + max_tokens
-    if longest > args.max_positions:
-        raise ValueError(f"qwen3 prompt ({longest - max_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
-                         f"model's max_position_embeddings {args.max_positions}")
-    if args.kv_cache_blocks is not None and math.ceil((longest - 1) / args.block_size) > args.kv_cache_blocks:
-        raise ValueError(f"qwen3 prompt + max_tokens ({longest}) cannot fit kv_cache_blocks={args.kv_cache_blocks} "
-                         f"blocks of {args.block_size} tokens")
+    return [list(p) for p in prompts]
+
+
+def _sampling(request: dict[str, Any], max_tokens: int, vocab: int) -> SamplingParams:
     temperature = request.get("temperature", 0.0)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"qwen3 temperature must be a number, got {temperature!r}")
@@ -138,6 +147,5 @@ def parse_request(request: Any, args: Qwen3Args) -> tuple[list[list[int]], Sampl
     for token in stop:
         if not 0 <= _int("stop_token_ids entry", token, 0) < vocab:
             raise ValueError(f"qwen3 stop token id {token} is outside the vocabulary [0, {vocab})")
-    params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_k=top_k,
+    return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_k=top_k,
                             top_p=float(top_p), seed=seed, ignore_eos=ignore_eos, stop_token_ids=tuple(stop))
-    return [list(p) for p in prompts], params

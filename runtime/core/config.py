@@ -1,52 +1,29 @@
 """Configuration objects: frozen dataclasses, validated when they are built.
 
-Leaf module: imports nothing else from the project (``supervisor`` and ``workers``
-import it, never the other way round). It imports torch for dtypes; the torch-free
-client never imports it.
-
-How a replica is cut up (``ParallelConfig``):
-
-    outer:      pipeline_size x cfg_size partitions, each the same shape
-    per partition, three views of the same pool of ranks:
-        dense       tp x dp
-        attention   tp x cp x dp
-        moe         tp x ep x dp
-
-Every ``dp_size`` defaults to ``None``, "fill the partition": the partition is
-the largest product of any domain's given sizes, and a ``None`` dp becomes
-partition / (that domain's other sizes), which must divide exactly. After
-construction every dp is an ``int``, so two configs that describe the same layout
-compare equal however they were written.
+Leaf module: imports only ``runtime.core`` (``supervisor`` and ``workers`` import it,
+never the other way round). It imports torch for dtypes; the torch-free client never
+imports it. How a replica is cut up lives in ``runtime.core.parallel_config`` (its
+names are importable from here too).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from runtime.core.checks import check_int, check_seconds
+from runtime.core.parallel_config import (DOMAINS, AttentionParallelConfig, DenseParallelConfig, MoeParallelConfig,
+                                          OuterParallelConfig, ParallelConfig)
+
+__all__ = ["AttentionParallelConfig", "DOMAINS", "DenseParallelConfig", "DeploymentConfig", "DeviceConfig",
+           "EngineArgs", "EngineConfig", "MoeParallelConfig", "OuterParallelConfig", "ParallelConfig",
+           "WorkerSupervisorConfig", "dtype_name"]
+
 _TARGETS = ("auto", "cuda", "cpu")
 _MODES = ("auto", "inline", "local", "external")
 _DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
-
-
-def _check_int(owner: str, name: str, value: Any, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{owner}.{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{owner}.{name} must be >= {minimum}, got {value}")
-
-
-def _check_seconds(owner: str, name: str, value: Any, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{owner}.{name} must be a number of seconds, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{owner}.{name} must be a finite number of seconds > 0, got {value!r}")
 
 
 # --------------------------------------------------------------------------- devices
@@ -98,170 +75,6 @@ def dtype_name(dtype: Any) -> str:
         return dtype
     text = str(dtype)
     return text[len("torch."):] if text.startswith("torch.") else text
-
-
-# --------------------------------------------------------------------------- parallelism
-
-
-@dataclass(frozen=True)
-class OuterParallelConfig:
-    """Dimensions that apply to every domain: pipeline stages and CFG branches."""
-
-    pipeline_size: int = 1
-    cfg_size: int = 1
-
-    def __post_init__(self) -> None:
-        _check_int("OuterParallelConfig", "pipeline_size", self.pipeline_size)
-        _check_int("OuterParallelConfig", "cfg_size", self.cfg_size)
-
-
-@dataclass(frozen=True)
-class DenseParallelConfig:
-    """Dense layers: tensor parallel x data parallel (dp None fills the partition)."""
-
-    tp_size: int = 1
-    dp_size: int | None = None
-
-    def __post_init__(self) -> None:
-        _check_int("DenseParallelConfig", "tp_size", self.tp_size)
-        if self.dp_size is not None:
-            _check_int("DenseParallelConfig", "dp_size", self.dp_size)
-
-    def split_sizes(self) -> dict[str, int]:
-        return {"tp": self.tp_size}
-
-
-@dataclass(frozen=True)
-class AttentionParallelConfig:
-    """Attention: tensor parallel x context parallel x data parallel."""
-
-    tp_size: int = 1
-    cp_size: int = 1
-    dp_size: int | None = None
-
-    def __post_init__(self) -> None:
-        _check_int("AttentionParallelConfig", "tp_size", self.tp_size)
-        _check_int("AttentionParallelConfig", "cp_size", self.cp_size)
-        if self.dp_size is not None:
-            _check_int("AttentionParallelConfig", "dp_size", self.dp_size)
-
-    def split_sizes(self) -> dict[str, int]:
-        return {"tp": self.tp_size, "cp": self.cp_size}
-
-
-@dataclass(frozen=True)
-class MoeParallelConfig:
-    """Mixture-of-experts layers: tensor parallel x expert parallel x data parallel."""
-
-    tp_size: int = 1
-    ep_size: int = 1
-    dp_size: int | None = None
-
-    def __post_init__(self) -> None:
-        _check_int("MoeParallelConfig", "tp_size", self.tp_size)
-        _check_int("MoeParallelConfig", "ep_size", self.ep_size)
-        if self.dp_size is not None:
-            _check_int("MoeParallelConfig", "dp_size", self.dp_size)
-
-    def split_sizes(self) -> dict[str, int]:
-        return {"tp": self.tp_size, "ep": self.ep_size}
-
-
-DOMAINS = ("dense", "attention", "moe")
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """How one replica is cut into ranks. See the module docstring for the rule."""
-
-    outer: OuterParallelConfig = field(default_factory=OuterParallelConfig)
-    dense: DenseParallelConfig = field(default_factory=DenseParallelConfig)
-    attention: AttentionParallelConfig = field(default_factory=AttentionParallelConfig)
-    moe: MoeParallelConfig = field(default_factory=MoeParallelConfig)
-
-    def __post_init__(self) -> None:
-        expected = {
-            "outer": OuterParallelConfig,
-            "dense": DenseParallelConfig,
-            "attention": AttentionParallelConfig,
-            "moe": MoeParallelConfig,
-        }
-        for name, cls in expected.items():
-            value = getattr(self, name)
-            if not isinstance(value, cls):
-                raise TypeError(f"ParallelConfig.{name} must be a {cls.__name__}, got {value!r}")
-
-        given = {}
-        for name in DOMAINS:
-            domain = getattr(self, name)
-            product = math.prod(domain.split_sizes().values())
-            given[name] = product * (domain.dp_size or 1)
-        partition = max(given.values())
-
-        filled = {}
-        for name in DOMAINS:
-            domain = getattr(self, name)
-            splits = math.prod(domain.split_sizes().values())
-            if domain.dp_size is None:
-                if partition % splits:
-                    raise ValueError(self._rule_message(
-                        f"{name} splits {splits} ranks, which does not divide the partition of "
-                        f"{partition} ranks (so its dp_size cannot fill it)"))
-                filled[name] = dataclasses.replace(domain, dp_size=partition // splits)
-            elif splits * domain.dp_size != partition:
-                raise ValueError(self._rule_message(
-                    f"{name} covers {splits * domain.dp_size} ranks with its explicit "
-                    f"dp_size={domain.dp_size}, but the partition has {partition}"))
-        for name, domain in filled.items():
-            object.__setattr__(self, name, domain)
-
-    def _rule_message(self, detail: str) -> str:
-        covered = []
-        for name in DOMAINS:
-            domain = getattr(self, name)
-            splits = math.prod(domain.split_sizes().values())
-            label = {"dense": "dense.tp*dp", "attention": "attention.tp*cp*dp", "moe": "moe.tp*ep*dp"}[name]
-            if domain.dp_size is None:
-                covered.append(f"{label}={splits}*fill")
-            else:
-                covered.append(f"{label}={splits * domain.dp_size}")
-        return (
-            "the three domains must cover the same number of ranks "
-            f"(dense.tp*dp = attention.tp*cp*dp = moe.tp*ep*dp), got {', '.join(covered)}: {detail}"
-        )
-
-    @property
-    def partition_size(self) -> int:
-        """Ranks inside one pipeline/CFG partition (every domain covers exactly these)."""
-        return self.dense.tp_size * self.dense.dp_size
-
-    def infer_replica_world_size(self) -> int:
-        """pipeline x cfg x partition: the number of ranks one replica needs."""
-        return self.outer.pipeline_size * self.outer.cfg_size * self.partition_size
-
-    def domain_sizes(self) -> dict[str, int]:
-        """Every named dimension's size, e.g. ``{"dense_tp": 2, "moe_ep": 1, ...}``."""
-        d, a, m = self.dense, self.attention, self.moe
-        return {
-            "pipeline": self.outer.pipeline_size,
-            "cfg": self.outer.cfg_size,
-            "dense_tp": d.tp_size, "dense_dp": d.dp_size,
-            "attention_tp": a.tp_size, "attention_cp": a.cp_size, "attention_dp": a.dp_size,
-            "moe_tp": m.tp_size, "moe_ep": m.ep_size, "moe_dp": m.dp_size,
-        }
-
-    def to_dict(self) -> dict[str, dict[str, int]]:
-        """Plain data (msgpack-able); ``from_dict`` inverts it."""
-        return {name: dataclasses.asdict(getattr(self, name)) for name in ("outer",) + DOMAINS}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, dict[str, int]]) -> "ParallelConfig":
-        return cls(
-            outer=OuterParallelConfig(**data["outer"]),
-            dense=DenseParallelConfig(**data["dense"]),
-            attention=AttentionParallelConfig(**data["attention"]),
-            moe=MoeParallelConfig(**data["moe"]),
-        )
 
 
 @dataclass(frozen=True)
@@ -320,13 +133,13 @@ class WorkerSupervisorConfig:
     startup_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        _check_int("WorkerSupervisorConfig", "base_port", self.base_port, minimum=1)
+        check_int("WorkerSupervisorConfig", "base_port", self.base_port, minimum=1)
         if self.base_port > 65535:
             raise ValueError(f"WorkerSupervisorConfig.base_port must be <= 65535, got {self.base_port}")
-        _check_seconds("WorkerSupervisorConfig", "execution_timeout_s", self.execution_timeout_s, allow_none=True)
-        _check_seconds("WorkerSupervisorConfig", "heartbeat_interval_s", self.heartbeat_interval_s)
-        _check_seconds("WorkerSupervisorConfig", "heartbeat_timeout_s", self.heartbeat_timeout_s)
-        _check_seconds("WorkerSupervisorConfig", "startup_timeout_s", self.startup_timeout_s)
+        check_seconds("WorkerSupervisorConfig", "execution_timeout_s", self.execution_timeout_s, allow_none=True)
+        check_seconds("WorkerSupervisorConfig", "heartbeat_interval_s", self.heartbeat_interval_s)
+        check_seconds("WorkerSupervisorConfig", "heartbeat_timeout_s", self.heartbeat_timeout_s)
+        check_seconds("WorkerSupervisorConfig", "startup_timeout_s", self.startup_timeout_s)
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError(
                 "WorkerSupervisorConfig.heartbeat_timeout_s must exceed heartbeat_interval_s, got "
@@ -364,7 +177,7 @@ class DeploymentConfig:
             raise TypeError(f"DeploymentConfig.mode must be a string, one of {_MODES}, got {self.mode!r}")
         if self.mode not in _MODES:
             raise ValueError(f"DeploymentConfig.mode must be one of {_MODES}, got {self.mode!r}")
-        _check_int("DeploymentConfig", "replica_count", self.replica_count)
+        check_int("DeploymentConfig", "replica_count", self.replica_count)
         if self.devices is not None:
             if isinstance(self.devices, (str, bytes)) or not hasattr(self.devices, "__iter__"):
                 raise TypeError(f"DeploymentConfig.devices must be a sequence of ints, got {self.devices!r}")
@@ -388,7 +201,7 @@ class DeploymentConfig:
                 f"replica i rendezvouses on base_port + i: base_port {self.process_config.base_port} "
                 f"with {self.replica_count} replicas passes port 65535"
             )
-        _check_seconds("DeploymentConfig", "collective_timeout_s", self.collective_timeout_s)
+        check_seconds("DeploymentConfig", "collective_timeout_s", self.collective_timeout_s)
         if self.mode == "external" and self.replica_count != 1:
             raise ValueError(f"external mode serves one replica per launch, got replica_count={self.replica_count}")
 
@@ -413,7 +226,7 @@ class DeploymentConfig:
 
     def resolve_mode(self, ranks_per_replica: int) -> str:
         """The executor kind for a replica of ``ranks_per_replica`` ranks."""
-        _check_int("resolve_mode", "ranks_per_replica", ranks_per_replica)
+        check_int("resolve_mode", "ranks_per_replica", ranks_per_replica)
         if self.mode == "external":
             return "external"
         if self.mode == "inline":
@@ -434,7 +247,7 @@ class DeploymentConfig:
 
         Without explicit devices, ranks count up from 0 in order.
         """
-        _check_int("placement", "ranks_per_replica", ranks_per_replica)
+        check_int("placement", "ranks_per_replica", ranks_per_replica)
         needed = self.replica_count * ranks_per_replica
         if self.devices is None:
             devices = tuple(range(needed))

@@ -22,7 +22,7 @@ afterwards cannot leak it. A segment added by growth has a new name that peers
 must map before it is unlinked. ``close()`` unlinks whatever is still linked, and
 a finalizer does the same if an arena is dropped without ``close()``.
 
-kill -9. A killed process runs no cleanup: its still-linked names stay in
+kill -9 (``runtime.transport.shm_names``). A killed process runs no cleanup: its still-linked names stay in
 /dev/shm (the memory is freed once the last mapping goes). ``sweep_stale()``
 removes names whose creator pid is dead (or reused by a younger process);
 ``sweep_run(run_id)`` removes every name of one run, ``sweep_creators(run_id,
@@ -40,69 +40,33 @@ import bisect
 import itertools
 import mmap
 import os
-import re
-import secrets
 import stat
 import threading
 import weakref
-from collections.abc import Iterable
 
 import numpy as np
 
 from runtime.core.errors import ProtocolError
+from runtime.transport.shm_names import (NAME_RE, SHM_DIR, check_run_id, new_run_id, sweep_creators, sweep_run,
+                                         sweep_stale, unlink_quiet)
 
-try:  # optional: detects pid reuse and zombies, which os.kill(pid, 0) cannot
-    import psutil
-except ImportError:  # pragma: no cover - psutil is a declared dependency
-    psutil = None
+__all__ = ["ALIGNMENT", "SHM_DIR", "ShmArena", "ShmMapper", "new_run_id", "sweep_creators", "sweep_run",
+           "sweep_stale"]
 
-SHM_DIR = "/dev/shm"
 ALIGNMENT = 64
 _PAGE = mmap.PAGESIZE
-_RUN_ID_RE = re.compile(r"[0-9a-f]{4,32}")
-_NAME_RE = re.compile(r"phyrt-([0-9a-f]{4,32})-([1-9][0-9]{0,9})-([0-9]{1,12})")
 _seq = itertools.count()  # process-wide, so two arenas of one run never collide
-
-
-def new_run_id() -> str:
-    """A fresh run id: 8 hex digits."""
-    return secrets.token_hex(4)
-
-
-def _check_run_id(run_id: object) -> str:
-    if not isinstance(run_id, str) or not _RUN_ID_RE.fullmatch(run_id):
-        raise ValueError(f"run_id must be 4 to 32 lowercase hex digits, got {run_id!r}")
-    return run_id
 
 
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def _unlink_quiet(name: str) -> bool:
-    """Remove one stale name; never raises. A sweep meets whatever a killed process left
-    under a name of ours (a forged one too: a directory, a link, another user's file)."""
-    path = os.path.join(SHM_DIR, name)
-    try:
-        os.unlink(path)
-        return True
-    except FileNotFoundError:  # already unlinked, e.g. by a sweep
-        return False
-    except IsADirectoryError:
-        try:
-            os.rmdir(path)  # only if empty: nothing of ours lives in a directory
-            return True
-        except OSError:
-            return False
-    except OSError:  # not ours to remove (permissions, a read-only mount): leave it
-        return False
-
-
 def _unlink_names(owner_pid: int, names: set[str]) -> None:
     # a forked child inherits the finalizer but not the ownership
     if os.getpid() == owner_pid:
         for name in list(names):
-            _unlink_quiet(name)
+            unlink_quiet(name)
         names.clear()
 
 
@@ -162,7 +126,7 @@ class ShmArena:
     """A pool of shared-memory segments owned by this process (wire's allocator)."""
 
     def __init__(self, run_id: str, capacity_bytes: int, *, prefault: bool = True) -> None:
-        self.run_id = _check_run_id(run_id)
+        self.run_id = check_run_id(run_id)
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 1:
             raise ValueError(f"capacity_bytes must be an int >= 1, got {capacity_bytes!r}")
         self._prefault = prefault
@@ -207,7 +171,7 @@ class ShmArena:
             if self._prefault:
                 _prefault(mm)
         except BaseException:
-            _unlink_quiet(name)
+            unlink_quiet(name)
             self._linked.discard(name)
             raise
         finally:
@@ -250,7 +214,7 @@ class ShmArena:
             if seg is None:
                 raise ValueError(f"{name!r} is not a segment of this arena")
             if seg.linked:
-                _unlink_quiet(name)
+                unlink_quiet(name)
                 seg.linked = False
                 self._linked.discard(name)
 
@@ -281,7 +245,7 @@ class ShmMapper:
     """The receiving side: maps segments of one run by name, on first use."""
 
     def __init__(self, run_id: str) -> None:
-        self.run_id = _check_run_id(run_id)
+        self.run_id = check_run_id(run_id)
         self._lock = threading.Lock()
         self._maps: dict[str, mmap.mmap] = {}
         self._closed = False
@@ -292,7 +256,7 @@ class ShmMapper:
 
     def view(self, segment: str, offset: int, nbytes: int) -> memoryview:
         """A writable view of ``nbytes`` at ``offset``; ProtocolError if out of bounds or not ours."""
-        match = _NAME_RE.fullmatch(segment) if isinstance(segment, str) else None
+        match = NAME_RE.fullmatch(segment) if isinstance(segment, str) else None
         if match is None:
             raise ProtocolError(f"{segment!r} is not a phyrt segment name")
         if match.group(1) != self.run_id:
@@ -346,67 +310,3 @@ class ShmMapper:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _entries(prefix: str) -> list[tuple[str, re.Match[str]]]:
-    """Names under SHM_DIR that start with ``prefix``, parse as ours and belong to this uid."""
-    try:
-        names = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return []
-    found = []
-    for name in names:
-        match = _NAME_RE.fullmatch(name) if name.startswith(prefix) else None
-        try:
-            if match and os.stat(os.path.join(SHM_DIR, name), follow_symlinks=False).st_uid == os.getuid():
-                found.append((name, match))
-        except FileNotFoundError:  # unlinked meanwhile
-            pass
-    return found
-
-
-def _creator_alive(pid: int, name: str) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    if psutil is None:
-        return True
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:  # dead, not yet reaped
-            return False
-        created = proc.create_time()
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.Error:
-        return True
-    try:
-        # a process younger than the segment cannot have created it: the pid was reused
-        return created <= os.stat(os.path.join(SHM_DIR, name)).st_ctime + 1.0
-    except FileNotFoundError:
-        return True  # gone already: nothing to sweep
-
-
-def sweep_stale(prefix: str = "phyrt-") -> list[str]:
-    """Unlink this user's phyrt names whose creator process is gone; return them."""
-    stale = [n for n, m in _entries(prefix) if not _creator_alive(int(m.group(2)), n)]
-    return sorted(n for n in stale if _unlink_quiet(n))
-
-
-def sweep_creators(run_id: str, pids: Iterable[int]) -> list[str]:
-    """Unlink every name of one run created by one of ``pids``; return them.
-
-    For processes known to be dead and reaped (e.g. the ranks of a failed group):
-    a name is only ever created by its owner, so none can appear after this."""
-    _check_run_id(run_id)
-    wanted = {int(pid) for pid in pids}
-    return sorted(n for n, m in _entries(f"phyrt-{run_id}-") if int(m.group(2)) in wanted and _unlink_quiet(n))
-
-
-def sweep_run(run_id: str) -> list[str]:
-    """Unlink every name of one run, live owners' included; return them."""
-    _check_run_id(run_id)
-    return sorted(n for n, _ in _entries(f"phyrt-{run_id}-") if _unlink_quiet(n))
