@@ -586,15 +586,15 @@ def test_a_silent_server_fails_in_flight_requests_after_the_heartbeat_timeout(tm
 
 
 class _ReaderProbe:
-    """Wraps ``Client._poll`` (called only by the thread that holds the socket to read it):
+    """Wraps ``Connection.poll`` (called only by the thread that holds the socket to read it):
     counts how many threads are in it at once, and which threads read."""
 
     def __init__(self, client: Client) -> None:
         self._lock = threading.Lock()
         self.inside = self.most = 0
         self.readers: set[str] = set()
-        self._poll = client._poll
-        client._poll = self.poll
+        self._poll = client._conn.poll
+        client._conn.poll = self.poll
 
     def poll(self, *args, **kwargs):
         with self._lock:
@@ -646,7 +646,7 @@ def test_callers_and_submitters_at_once_each_get_their_own_replies(client):
     assert not errors, errors[:3]
     assert probe.most == 1  # one reader at a time
     assert any(name.startswith("caller-") for name in probe.readers)  # callers read themselves
-    assert client._pending == {} and client._reader is None
+    assert client._replies.pending == {} and client._role.holder is None
 
 
 @pytest.mark.timeout(60)
@@ -701,7 +701,7 @@ def test_closing_the_client_fails_a_call_that_is_reading(echo):
     thread.join(10)
     assert isinstance(outcome.get("error"), ConnectionLostError), outcome
     assert outcome["took"] < 1.2  # failed at close, not when the reply came
-    assert not client._thread.is_alive()
+    assert not client._io.thread.is_alive()
 
 
 @pytest.mark.timeout(60)
@@ -785,7 +785,7 @@ def test_the_packing_fast_path_refuses_what_the_slow_path_refuses(payload, error
 def test_a_header_with_a_packed_payload_is_the_plain_header():
     import msgpack
 
-    from runtime.client.client import _submit_header
+    from runtime.client.headers import submit_header as _submit_header
     from runtime.transport.protocol import PayloadEncoder, pack_header
 
     payload = {"obs": [1.5, 2.5], "task": "t"}
@@ -850,7 +850,7 @@ def test_submit_snapshots_tensor_frames_that_a_reader_sends_later(client):
     queues a snapshot, so changing the array after submit returns changes nothing sent."""
     reader = threading.Thread(target=client.call, args=({"sleep": 0.6},), kwargs={"timeout": 30})
     reader.start()
-    assert wait_until(lambda: client._polling, 5)  # the reader sleeps in poll, holding the socket
+    assert wait_until(lambda: client._conn.polling, 5)  # the reader sleeps in poll, holding the socket
     arrays = [np.arange(1000, dtype=np.int32) + i for i in range(5)]  # 4 KB: frames, not shared memory
     futures = [client.submit({"x": a}) for a in arrays]
     for a in arrays:

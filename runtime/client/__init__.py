@@ -2,9 +2,15 @@
 their errors, and ``ObservationGate`` for sensor callbacks.
 
 Needs pyzmq, msgpack and numpy only: nothing here imports torch (see ``client``).
+
+Modules: ``client`` (``Client``: verbs, lifecycle), ``async_client`` (``AsyncClient``),
+``connection`` (the socket, its outbox, reading), ``replies`` (requests in flight, decoding
+replies, shm bookkeeping), ``io_thread`` (fallback reader, heartbeats, monitor),
+``headers`` (what is sent), ``shm`` (the shm session), ``errors``, ``gate``.
 """
 
-from runtime.client.client import AsyncClient, Client
+from runtime.client.async_client import AsyncClient
+from runtime.client.client import Client
 from runtime.client.errors import (ConnectionLostError, DeadlineExceededError, InvalidRequestError, OverloadedError,
                                    PluginError, ServerError, ServerUnavailableError)
 from runtime.client.gate import ObservationGate

@@ -1,0 +1,80 @@
+"""``AsyncClient``: ``Client`` for asyncio, a thin adapter over its ``concurrent.futures`` futures.
+
+Torch-free, like ``Client``.
+
+    event loop: await submit(p) / call(p) / ping() / info()
+        -> Client.submit / Client._control_async (sent from the loop's thread, never blocking)
+        <- asyncio.wrap_future: the Client's reader (a caller or its I/O thread) completes the
+           concurrent future, which sets the asyncio one through the loop (call_soon_threadsafe)
+    cancel(future), close(): the blocking Client verbs in a worker thread (asyncio.to_thread)
+
+Invariants: the event loop never waits on the network; an asyncio future from ``submit``
+maps back to its Client future (weakly) for ``cancel``; cancelling an awaited ``submit``
+cancels the Client future, which asks the server to drop the request if still queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import weakref
+from typing import Any
+
+from runtime.client.client import Client
+from runtime.client.errors import DeadlineExceededError
+
+__all__ = ["AsyncClient"]
+
+
+class AsyncClient:
+    """``Client`` for asyncio: the same verbs, awaitable. Takes ``Client``'s keyword arguments.
+
+    Cancelling an awaited ``submit`` also asks the server to drop the request if it
+    is still queued.
+    """
+
+    def __init__(self, address: str, **kwargs: Any) -> None:
+        self._client = Client(address, **kwargs)
+        self.address = address
+        self._sources: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def submit(self, payload: Any, *, timeout: float | None = None) -> asyncio.Future:
+        """Send one request from the running loop; await the returned future for the result."""
+        source = self._client.submit(payload, timeout=timeout)
+        future = asyncio.wrap_future(source)
+        self._sources[future] = source
+        return future
+
+    async def call(self, payload: Any, timeout: float | None = None) -> Any:
+        future = self._client.submit(payload, timeout=timeout)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+        except DeadlineExceededError:
+            raise
+        except asyncio.TimeoutError:
+            raise DeadlineExceededError.for_request(f"no result within {timeout} s from {self.address}",
+                                                    future.request_id) from None  # type: ignore[attr-defined]
+
+    async def cancel(self, future: asyncio.Future, timeout: float = 5.0) -> bool:
+        """Ask the server to cancel a request from ``submit``; True if it was still queued."""
+        source = self._sources.get(future)
+        if source is None:
+            raise ValueError("cancel() takes a future returned by this AsyncClient's submit()")
+        return await asyncio.to_thread(self._client.cancel, source, timeout)
+
+    async def ping(self, timeout: float = 5.0) -> float:
+        started = time.monotonic()
+        await asyncio.wait_for(asyncio.wrap_future(self._client._control_async("ping")), timeout)
+        return time.monotonic() - started
+
+    async def info(self, timeout: float = 5.0) -> dict[str, Any]:
+        return await asyncio.wait_for(asyncio.wrap_future(self._client._control_async("info")), timeout)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._client.close)
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()

@@ -1,0 +1,266 @@
+"""A client's DEALER socket to its server: one holder at a time, an outbox, reading one message.
+
+Torch-free. The socket's *reader* (who polls it for replies) is decided by the client's
+``ReaderRole`` (``runtime.transport.reader``); this module is what the reader does.
+
+    any thread: send(id, frames) -> outbox --- kick(): the socket free? hold it, flush() --> server
+                                               held by a reader asleep in poll(): role.wake(),
+                                               and the reader flushes before it polls on
+    the reader: read_until(future, deadline)   (ReaderRole.wait's ``read``)
+      socket held: poll(): flush(); poll, spinning budget_ns("client") first; <-- replies
+                   read_one() -> Replies.handle -> done
+      socket released: complete(done), then hold it again until ``future`` is done
+
+Invariants:
+- The socket is used under ``lock`` only, and no thread blocks on that lock to send:
+  frames go to ``outbox`` and whoever holds the lock sends them; a reader that sleeps in
+  ``poll`` holding it (``polling``) is woken through ``role.fd``. The outbox is FIFO, so
+  a segment's ``register`` goes out before the first request that uses it.
+- Only the holder of the reader role polls the socket for replies; it completes futures
+  with ``lock`` released (their callbacks may call the client, even ``call()``: the role
+  re-enters), and it leaves the role once the role is closed.
+- Tensor frames that view a caller's arrays are sent at once (zmq copies them as they are
+  queued) or, when the socket is held, queued as a snapshot.
+- Released result blocks ride with the next message (a message of their own would wake
+  other threads, which costs a waiting caller its CPU on a busy machine).
+- ``open`` turns False once, under ``lock``, when the I/O thread closes the socket.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import zmq
+
+from runtime.client.headers import release_header
+from runtime.client.replies import Replies, complete
+from runtime.core.errors import ProtocolError
+from runtime.transport.endpoints import load_key
+from runtime.transport.reader import ReaderRole
+from runtime.transport.spin import budget_ns, spin
+
+log = logging.getLogger("phyrt.client")
+
+# plain ints: pyzmq's enum members cost microseconds in every ``|`` and call on the hot path
+_NOBLOCK = int(zmq.NOBLOCK)
+_MONITORED = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+              | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+class Connection:
+    """The socket (and its monitor) to one server address, used by one holder at a time."""
+
+    def __init__(self, address: str, replies: Replies, role: ReaderRole, poll_s: float,
+                 server_public_key: str | bytes | None = None, public_key: str | bytes | None = None,
+                 secret_key: str | bytes | None = None) -> None:
+        self.address = address
+        self._replies = replies
+        self._role = role
+        self._poll_s = poll_s  # a reader looks at the role (closed?) at least this often
+        self._spin_budget = budget_ns("client")  # a waiting caller polls a moment before it sleeps
+        self.lock = threading.Lock()  # the socket
+        self.outbox: collections.deque[tuple[int | None, list[Any]]] = collections.deque()  # (id or None, frames)
+        self.polling = False  # the holder of the socket sleeps in poll (wake it to send)
+        self._ctx = zmq.Context(1)
+        self.sock = self._ctx.socket(zmq.DEALER)
+        self.monitor: zmq.Socket | None = None
+        success = False
+        try:
+            self._configure(server_public_key, public_key, secret_key)
+            self.monitor = self.sock.get_monitor_socket(_MONITORED)
+            self.sock.connect(address)
+            success = True
+        finally:
+            if not success:
+                if self.monitor is not None:
+                    self.monitor.close(0)
+                self.sock.close(0)
+                self._ctx.term()
+        self.open = True
+        self._reader_poller = zmq.Poller()  # the reading caller's (one at a time)
+        self._reader_poller.register(self.sock, zmq.POLLIN)
+        self._reader_poller.register(role.fd, zmq.POLLIN)
+
+    def _configure(self, server_public_key: str | bytes | None, public_key: str | bytes | None,
+                   secret_key: str | bytes | None) -> None:
+        sock = self.sock
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)  # replies are never dropped on this side
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        if server_public_key is not None:
+            sock.curve_serverkey = load_key(server_public_key, secret=False)
+            own_secret = load_key(secret_key, secret=True)
+            if own_secret is None:
+                raise ValueError("CURVE needs this client's secret_key too (public_key is derived from it)")
+            sock.curve_secretkey = own_secret
+            sock.curve_publickey = load_key(public_key, secret=False) or zmq.curve_public(own_secret)
+
+    # -- sending ------------------------------------------------------------------------
+
+    def send(self, request_id: int | None, frames: list[Any], kick: bool = True) -> None:
+        """Queue a message (``request_id``: its future fails if it cannot go); send it now if the
+        socket is free. Tensor frames view the caller's arrays: sent now, or snapshotted."""
+        if len(frames) > 1:
+            if self.lock.acquire(False):
+                failed: list = []
+                try:
+                    self.outbox.append((request_id, frames))
+                    self.flush(failed)  # zmq copies each frame as it is queued
+                finally:
+                    self.lock.release()
+                if failed:
+                    complete(failed)
+                if self.outbox:  # queued by others meanwhile
+                    self.kick()
+                return
+            frames = [frames[0], *(bytes(frame) for frame in frames[1:])]
+        self.outbox.append((request_id, frames))
+        if kick:
+            self.kick()
+
+    def kick(self) -> None:
+        """Send what is queued, unless another thread holds the socket: then that one sends it."""
+        lock = self.lock
+        while self.outbox:
+            if not lock.acquire(False):
+                if self.polling:  # it sleeps in poll: wake it (otherwise it looks before it lets go)
+                    self._role.wake()
+                return
+            failed: list = []
+            try:
+                self.flush(failed)
+            finally:
+                lock.release()
+            if failed:
+                complete(failed)
+
+    def flush(self, failed: list) -> None:
+        """Holding the socket: the releases that wait for a ride, then the outbox; the futures of
+        what could not go into ``failed``."""
+        sock = self.sock
+        # releases first: a server runs a request in the thread that read it only if no message
+        # came after it (one that did must not wait for it), and a release needs no answer
+        session = self._replies.session
+        while session is not None and session.released and self.open and self.outbox:
+            blocks = session.take_released()
+            if not blocks:
+                break
+            try:
+                sock.send(release_header(blocks), _NOBLOCK)
+            except zmq.Again:  # the queue is full: they ride with a later message
+                session.released.extendleft(tuple(b) for b in reversed(blocks))
+                break
+            except zmq.ZMQError as exc:
+                log.warning("dropped a release of result blocks to %s: %s", self.address, exc)
+        while self.outbox:
+            request_id, frames = self.outbox.popleft()
+            if not self.open:
+                continue  # closed: close() fails what is in flight
+            try:
+                if len(frames) == 1:
+                    sock.send(frames[0], _NOBLOCK)
+                else:
+                    sock.send_multipart(frames, _NOBLOCK)
+                continue
+            except zmq.Again:
+                reason = "the send queue to the server is full (is it reachable?)"
+            except zmq.ZMQError as exc:
+                reason = f"the message could not be sent ({exc})"
+            if request_id is None:
+                log.warning("dropped a message to %s: %s", self.address, reason)
+            else:
+                self._replies.unsent(request_id, reason, failed)
+
+    # -- reading (the holder of the reader role) -------------------------------------------
+
+    def read_until(self, future: Future, deadline: float | None) -> None:
+        """``ReaderRole.wait``'s ``read``: hold the socket and read until ``future`` is done, the
+        deadline passes or the role is closed (then give the role up: close() fails the future)."""
+        lock, poller, role = self.lock, self._reader_poller, self._role
+        lock.acquire()
+        held = True
+        try:
+            while not future.done() and not role.closed and self.open:
+                wait = self._poll_s
+                if deadline is not None:
+                    wait = min(wait, deadline - time.monotonic())
+                    if wait <= 0:
+                        return
+                done: list = []
+                self.poll(poller, wait, done, self._spin_budget)
+                if done:
+                    lock.release()
+                    held = False
+                    complete(done)
+                    if future.done():
+                        return
+                    lock.acquire()
+                    held = True
+        finally:
+            if held:
+                lock.release()
+            if self.outbox:  # queued while we held the socket, after our last look
+                self.kick()
+            if role.closed and not future.done():
+                role.leave(hand_on=False)  # so that our wait sleeps on the future, which close() fails
+
+    def poll(self, poller: zmq.Poller, timeout_s: float, done: list, spin_budget: int = 0) -> dict:
+        """Holding the socket: send what is queued, wait up to ``timeout_s`` for a message and read
+        it (polling for ``spin_budget`` ns before sleeping: ``runtime.transport.spin``)."""
+        self.polling = True
+        try:
+            if self.outbox:
+                self.flush(done)
+            events = None
+            if spin_budget and timeout_s > 0 and not done:
+                events = dict(spin(functools.partial(poller.poll, 0), spin_budget))
+            if not events:
+                events = dict(poller.poll(int(timeout_s * 1000) + 1 if timeout_s > 0 and not done else 0))
+        finally:
+            self.polling = False
+        if self._role.fd in events:
+            self._role.drain()
+        if self.sock in events:
+            self.read_one(done)
+        return events
+
+    def read_one(self, done: list) -> None:
+        sock = self.sock
+        head = sock.recv(_NOBLOCK, copy=False)  # a Frame knows in C whether parts follow
+        frames = []
+        more = head.more
+        while more:  # the parts of a message arrive together
+            frame = sock.recv(copy=False)
+            frames.append(frame)
+            more = frame.more
+        try:
+            register = self._replies.handle(head.bytes, frames, done)
+            if register is not None:  # a new session: before anything that could use it
+                sock.send(register, _NOBLOCK)
+        except ProtocolError as exc:
+            log.warning("dropped a malformed reply from %s: %s", self.address, exc)
+        except Exception:  # a bug must not lose the replies after this one
+            log.exception("failed to handle a reply from %s", self.address)
+
+    # -- closing (the I/O thread, then the client) --------------------------------------------
+
+    def shut(self) -> None:
+        """Close the socket and its monitor, once no reader holds the role."""
+        with self.lock:
+            self.open = False
+            self.sock.disable_monitor()
+            if self.monitor is not None:
+                self.monitor.close(0)
+            self.sock.close(0)
+
+    def term(self) -> None:
+        """Once the I/O thread has ended (after ``shut``)."""
+        self._ctx.term()
