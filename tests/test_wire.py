@@ -559,7 +559,7 @@ def test_cuda_descriptor_carries_every_field_of_torchs_reduction(monkeypatch):
     """Without a GPU: what reduce_tensor returns is what rebuild_cuda_tensor gets back."""
     import torch.multiprocessing.reductions as reductions
 
-    from runtime.transport import wire
+    from runtime.transport import cuda_ipc
 
     args = (torch.Tensor, torch.Size([2, 3]), (3, 1), 1, torch.storage.TypedStorage, torch.float32, 0,
             b"\x01" * 64, 28, 512, False, b"\x02" * 16, 8, b"\x03" * 64, True)
@@ -573,7 +573,7 @@ def test_cuda_descriptor_carries_every_field_of_torchs_reduction(monkeypatch):
     monkeypatch.setattr(reductions, "reduce_tensor", lambda t: (reductions.rebuild_cuda_tensor, args))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    ext = wire._encode_cuda(torch.zeros(2, 3), "float32", torch)
+    ext = cuda_ipc.encode(torch.zeros(2, 3), "float32", torch)
     data = msgpack.packb({"v": 1, "type": "t", "id": 1, "x": ext}, use_bin_type=True)
     unpack_message(data, tensor_decoder=TensorDecoder(allow_cuda_ipc=True))
     assert list(rebuilt["args"]) == list(args)

@@ -1,12 +1,14 @@
 """The client/server protocol: frames, tensor references, and their validation.
 
-Leaf module: imports nothing from the project but ``runtime.core.errors``; needs
-msgpack, numpy and pyzmq only (torch is imported lazily, by ``torch_tensor`` and
-``torch_view``, or used when a caller hands in torch tensors), so that the
-torch-free ``runtime.client`` and the ``runtime.serving.server`` speak it from one place.
+Leaf module: imports nothing from the project but ``runtime.core.errors``,
+``runtime.transport.bulk_copy`` and the codec core (``codec``: dtypes, checks, msgpack's
+fast paths, shared with ``runtime.transport.wire``); needs msgpack, numpy and pyzmq only
+(torch is imported lazily, by ``torch_tensor`` and ``torch_view``, or used when a caller
+hands in torch tensors), so that the torch-free ``runtime.client`` and the
+``runtime.serving.server`` speak it from one place.
 
     sender                                            receiver
-    PayloadEncoder.encode(payload)                    unpack_header(frame 0): a checked map,
+    PayloadEncoder.pack(payload)                      unpack_header(frame 0): a checked map,
       tensor -> frame (ext 1) or shm block (ext 2)      tensors still placeholders
     pack_header(header)                               TensorResolver.resolve(...) -> tensors,
     [header, *encoder.frames]  ---------------->        finish(): every frame used once
@@ -20,7 +22,9 @@ header is a msgpack extension:
                                                     every frame is referenced exactly once
     ext 2  shm     [segment, offset, dtype, shape]  bytes live in shared memory
 
-dtypes: float16 float32 float64 bfloat16 int8 int16 int32 int64 uint8 bool.
+dtypes: float16 float32 float64 bfloat16 int8 int16 int32 int64 uint8 bool. Shape entries
+are ints in [0, 2**40) (the engine's wire allows larger ones); a message carries at most
+MAX_TENSOR_FRAMES tensor frames.
 
 Requests (client -> server), always ``{"v": 1, "op": OP, "id": ID, ...}``; ``ID`` is
 an int in [0, 2**64) or a str of at most 128 characters, chosen by the client and
@@ -55,33 +59,23 @@ tensors in an arena it keeps for that connection, and never touches a block agai
 until the client sends its ``release``; the client hands the caller views of the
 blocks (no copy) and gives them back once those are collected: in its next submit's
 ``release`` field, or as a ``release`` sent before its next other message, at the latest
-with its next heartbeat. A release's first use of a
-segment also tells the server the client has mapped it, so the server unlinks
-that name. The server drops a connection's shared memory (and unlinks what is
+with its next heartbeat. A release's first use of a segment also tells the server the
+client has mapped it, so the server unlinks that name. The server drops a connection's shared memory (and unlinks what is
 left) when the ``pid`` it registered with is gone, or after ``client_timeout_s`` of
 silence (the client pings every heartbeat interval).
 
 Decoding treats its input as untrusted: every failure raises ``ProtocolError``.
 
-Speed. A small request pays for its encoding and decoding four times per round trip,
-so both have a fast path that leaves the walk to msgpack's C code and keeps every
-check of the slow one. Encoding (``PayloadEncoder.pack``): ``_packable`` looks at
-the containers only (str keys, depth, no type the wire forbids; a list of plain
-scalars costs one C-level type scan), then msgpack packs with ``default=`` handing
-over the tensors and numpy scalars; anything else goes down the slow path, which
-names the path of what it rejects. The packed payload is spliced into its header
-(``Packed``), not packed twice. Decoding: without a Timestamp's bytes anywhere in
-the frame (``_TIMESTAMP``, every encoding msgpack accepts) only the map hook runs
-(duplicate keys; bytes keys only where a bin can be); otherwise every map and list
-is checked as before.
-The dtype table and the dtype check are the same as ``runtime.transport.wire``'s, which keeps
-them private; the shape check differs on purpose (entries below 2**40 here).
+Speed. A small request pays for its encoding and decoding four times per round trip, so
+both take the fast paths of ``codec`` (msgpack's C code walks the value, every check of
+the slow path kept); ``PayloadEncoder.pack`` packs a payload once, and ``pack_header``
+splices those bytes into the header (``Packed``) instead of packing them twice.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-import re
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -90,29 +84,29 @@ import msgpack
 import numpy as np
 import zmq
 
-from runtime.transport import bulk_copy
 from runtime.core.errors import ProtocolError
+from runtime.transport import bulk_copy, codec
+from runtime.transport.codec import ITEMSIZE, MAX_DEPTH, MAX_NDIM, check_dtype
+
+__all__ = ["PROTOCOL_VERSION", "EXT_FRAME", "EXT_SHM", "MAX_DEPTH", "MAX_NDIM", "MAX_TENSOR_FRAMES", "MAX_ID_CHARS",
+           "DEFAULT_SHM_THRESHOLD", "ERROR_TYPES", "ITEMSIZE", "is_request_id", "PayloadEncoder", "Packed",
+           "pack_header", "unpack_header", "TensorResolver", "numpy_tensor", "numpy_view", "torch_tensor",
+           "torch_view"]
 
 PROTOCOL_VERSION = 1
 EXT_FRAME, EXT_SHM = 1, 2
-MAX_DEPTH = 32
-MAX_NDIM = 16
 MAX_TENSOR_FRAMES = 256
 MAX_ID_CHARS = 128
 #: tensors at least this large go through shared memory when it is available
 DEFAULT_SHM_THRESHOLD = 64 * 1024
 ERROR_TYPES = ("InvalidRequest", "DeadlineExceeded", "Overloaded", "EngineUnavailable", "PluginError", "Cancelled")
 
-_NP_CODES = {"float16": "<f2", "float32": "<f4", "float64": "<f8", "int8": "i1", "int16": "<i2",
-             "int32": "<i4", "int64": "<i8", "uint8": "u1", "bool": "?"}
-ITEMSIZE = {name: np.dtype(code).itemsize for name, code in _NP_CODES.items()} | {"bfloat16": 2}
-_NP_NAMES = {np.dtype(code): name for name, code in _NP_CODES.items()}
+_DIM_BOUND = 1 << 40
+_REFUSAL = "cannot send a {}"
 
 
 def is_request_id(value: Any) -> bool:
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, int):
+    if codec.is_int(value):
         return 0 <= value < 2**64
     return isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS
 
@@ -120,31 +114,13 @@ def is_request_id(value: Any) -> bool:
 # --------------------------------------------------------------------------- encoding
 
 
-def tensor_parts(obj: Any) -> tuple[str, list[int], np.ndarray] | None:
-    """(dtype name, shape, C-contiguous numpy array of the bytes) for a tensor, else None.
-
-    bfloat16 torch tensors come back as their int16 bit pattern.
-    """
+def _host_bytes(obj: Any) -> tuple[list[int], np.ndarray]:
+    """The shape and bytes (a flat uint8 array in host memory) of a little-endian array or a dense tensor."""
     if isinstance(obj, np.ndarray):
-        shape = list(obj.shape)
-        arr = obj.astype(obj.dtype.newbyteorder("<")) if obj.dtype.byteorder == ">" else obj
-        name = _NP_NAMES.get(arr.dtype)
-        if name is None:
-            raise TypeError(f"dtype {obj.dtype} cannot be sent; allowed: {sorted(ITEMSIZE)}")
-        return name, shape, np.ascontiguousarray(arr)
-    torch = sys.modules.get("torch")  # a torch tensor implies torch is imported
-    if torch is None or not isinstance(obj, torch.Tensor):
-        return None
-    t = obj.detach()
-    if t.layout != torch.strided:
-        raise TypeError(f"only dense tensors can be sent, got layout {t.layout}")
-    name = str(t.dtype).removeprefix("torch.")
-    if name not in ITEMSIZE:
-        raise TypeError(f"dtype {t.dtype} cannot be sent; allowed: {sorted(ITEMSIZE)}")
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    return name, list(t.shape), (t.view(torch.int16) if name == "bfloat16" else t).numpy()
+        return list(obj.shape), np.ascontiguousarray(obj).reshape(-1).view(np.uint8)
+    torch = sys.modules["torch"]  # codec.leaf hands over torch tensors only once torch is imported
+    t = obj.detach().cpu().contiguous()
+    return list(t.shape), t.reshape(-1).view(torch.uint8).numpy()
 
 
 class PayloadEncoder:
@@ -163,63 +139,40 @@ class PayloadEncoder:
         self.blocks: list[tuple[str, int]] = []
 
     def encode(self, obj: Any, path: str = "payload", depth: int = 0) -> Any:
-        if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
-            return obj
-        if depth >= MAX_DEPTH:
-            raise ValueError(f"{path}: nested deeper than {MAX_DEPTH} levels")
-        if isinstance(obj, dict):
-            out = {}
-            for key, value in obj.items():
-                if not isinstance(key, str):
-                    raise TypeError(f"{path}: map keys must be str, got {key!r}")
-                out[key] = self.encode(value, f"{path}.{key}", depth + 1)
-            return out
-        if isinstance(obj, (list, tuple)):
-            return [self.encode(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(obj)]
-        parts = tensor_parts(obj)
-        if parts is not None:
-            return self._tensor(*parts)
-        if isinstance(obj, (np.bool_, np.integer, np.floating)):
-            return obj.item()
-        if isinstance(obj, (bytearray, memoryview)):
-            return bytes(obj)
-        raise TypeError(f"{path}: cannot send a {type(obj).__name__}")
+        """The slow path: ``obj`` as msgpack-ready data; errors name ``path``."""
+        return codec.encode(obj, self._default(), depth + 1, path)  # a payload sits one level below its message
 
-    def pack(self, obj: Any, path: str = "payload") -> "Packed":
+    def pack(self, obj: Any, path: str = "payload") -> Packed:
         """``encode`` and msgpack in one: the bytes of ``obj``, tensors to ``frames`` or shared memory.
 
         The same result, and the same errors, as ``msgpack.packb(self.encode(obj))``.
         """
-        if isinstance(obj, (dict, list, tuple)) and _packable(obj, 0):
-            frames = len(self.frames)
-            try:
-                return Packed(msgpack.packb(obj, use_bin_type=True, default=self._leaf))
-            except Exception:  # say where, and what, from the slow path (blocks stay listed for free)
-                del self.frames[frames:]
-        return Packed(msgpack.packb(self.encode(obj, path), use_bin_type=True))
+        default = self._default()
+        data = codec.pack(obj, ((path, obj),), default)
+        if data is None:  # codec.pack did not vouch for the fast path
+            data = msgpack.packb(codec.encode(obj, default, 1, path), use_bin_type=True)
+        return Packed(data)
 
-    def _leaf(self, obj: Any) -> Any:
-        """msgpack's ``default=``: what ``encode`` makes of a value msgpack cannot pack itself."""
-        parts = tensor_parts(obj)
-        if parts is not None:
-            return self._tensor(*parts)
-        if isinstance(obj, (np.bool_, np.integer, np.floating)):
-            return obj.item()
-        raise TypeError(f"cannot send a {type(obj).__name__}")
+    def _default(self) -> Callable[[Any], Any]:
+        """msgpack's ``default=``: what ``encode`` makes of a value msgpack cannot pack itself.
 
-    def _tensor(self, name: str, shape: list[int], arr: np.ndarray) -> msgpack.ExtType:
-        flat = arr.reshape(-1).view(np.uint8)
+        Made per call rather than kept: an attribute would tie the encoder into a reference cycle.
+        """
+        return functools.partial(codec.leaf, _REFUSAL, PayloadEncoder._tensor, self)
+
+    def _tensor(self, obj: Any, name: str) -> msgpack.ExtType:
+        shape, flat = _host_bytes(obj)
         if self.place is not None and flat.nbytes >= self.shm_threshold:
             placed = self.place(flat.nbytes)
             if placed is not None:
                 segment, offset, view = placed
                 self.blocks.append((segment, offset))
                 bulk_copy.copy(np.frombuffer(view, dtype=np.uint8), flat)
-                return msgpack.ExtType(EXT_SHM, msgpack.packb([segment, offset, name, shape]))
+                return codec.ext(EXT_SHM, msgpack.packb([segment, offset, name, shape]))
         if len(self.frames) >= MAX_TENSOR_FRAMES:
             raise ValueError(f"a message carries at most {MAX_TENSOR_FRAMES} tensors as frames")
         self.frames.append(flat.tobytes() if self.copy else memoryview(flat))
-        return msgpack.ExtType(EXT_FRAME, msgpack.packb([name, shape, len(self.frames) - 1]))
+        return codec.ext(EXT_FRAME, msgpack.packb([name, shape, len(self.frames) - 1]))
 
 
 class Packed:
@@ -249,41 +202,6 @@ def pack_header(header: dict[str, Any]) -> bytes:
     return msgpack.packb(header, use_bin_type=True)
 
 
-_STR = frozenset({str})
-#: exact types msgpack packs as they are
-_PLAIN = frozenset({str, int, float, bool, type(None), bytes})
-#: what the slow path converts (a subclass, a strided memoryview) or refuses (ExtType, Timestamp)
-_SLOW = (dict, list, tuple, memoryview, bytearray, msgpack.ExtType, msgpack.Timestamp)
-
-
-def _packable(obj: dict | list | tuple, depth: int) -> bool:
-    """Whether msgpack, with ``PayloadEncoder._leaf`` as ``default=``, packs ``obj`` (at ``depth``)
-    exactly as ``encode`` then ``packb`` would. Looks at containers only; False: the slow path."""
-    if depth >= MAX_DEPTH - 1:  # the slow path counts the levels of every value
-        return False
-    t = type(obj)
-    if t is dict:
-        if not _STR.issuperset(map(type, obj)):
-            return False
-        values: Any = obj.values()
-    elif t is list or t is tuple:
-        values = obj
-    else:
-        return False
-    if _PLAIN.issuperset(map(type, values)):  # a vector of numbers: one C-level scan
-        return True
-    for value in values:
-        t = type(value)
-        if t in _PLAIN:
-            continue
-        if t is dict or t is list or t is tuple:
-            if not _packable(value, depth + 1):
-                return False
-        elif issubclass(t, _SLOW):
-            return False
-    return True
-
-
 # --------------------------------------------------------------------------- decoding
 
 
@@ -293,71 +211,6 @@ class _Ext:
 
     code: int
     data: bytes
-
-
-def _no_timestamps(obj: Any) -> None:
-    if isinstance(obj, msgpack.Timestamp):
-        raise ProtocolError("msgpack timestamps are not allowed")
-
-
-def _str_map(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise ProtocolError("a map has duplicate keys")
-    for key, value in pairs:
-        if not isinstance(key, str):
-            raise ProtocolError(f"map keys must be str, got {type(key).__name__}")
-        _no_timestamps(value)
-    return out
-
-
-def _checked_list(items: list[Any]) -> list[Any]:
-    for item in items:
-        _no_timestamps(item)
-    return items
-
-
-def _unique_map(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """The map hook where no key can be bytes (no bin in the frame) and no value a Timestamp."""
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise ProtocolError("a map has duplicate keys")
-    return out
-
-
-def _str_key_map(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
-    """The map hook where no value can be a Timestamp (strict_map_key lets through str and bytes only)."""
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise ProtocolError("a map has duplicate keys")
-    if bytes in map(type, out):
-        raise ProtocolError(f"map keys must be str, got {next(k for k in out if type(k) is not str)!r}")
-    return out
-
-
-#: every encoding of a msgpack Timestamp (extension -1 of 4, 8 or 12 bytes), which msgpack
-#: decodes without asking ext_hook; bytes like these inside a str or bin only cost the slow path
-_TIMESTAMP = re.compile(rb"[\xd6\xd7]\xff|\xc7[\x04\x08\x0c]\xff|\xc8\x00[\x04\x08\x0c]\xff"
-                        rb"|\xc9\x00\x00\x00[\x04\x08\x0c]\xff")
-_SCAN_COPY_LIMIT = 4096
-
-
-def _unpackb(data: Any, ext_hook: Callable[[int, bytes], Any]) -> Any:
-    # unpackb on one whole frame, every length bounded by the frame: a forged length
-    # fails at once instead of allocating (a streaming Unpacker would wait for more)
-    if type(data) is not bytes:
-        view = memoryview(data)
-        if view.nbytes <= _SCAN_COPY_LIMIT and view.c_contiguous:
-            data = view.tobytes()
-    n = memoryview(data).nbytes
-    if type(data) is bytes and (0xFF not in data or _TIMESTAMP.search(data) is None):
-        bins = 0xC4 in data or 0xC5 in data or 0xC6 in data
-        return msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True,
-                               object_pairs_hook=_str_key_map if bins else _unique_map, ext_hook=ext_hook,
-                               max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n, max_ext_len=n)
-    return msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True, object_pairs_hook=_str_map,
-                           list_hook=_checked_list, ext_hook=ext_hook, max_str_len=n, max_bin_len=n,
-                           max_array_len=n, max_map_len=n, max_ext_len=n)
 
 
 def unpack_header(data: Any, max_bytes: int, refs: list | None = None) -> dict[str, Any]:
@@ -376,32 +229,13 @@ def unpack_header(data: Any, max_bytes: int, refs: list | None = None) -> dict[s
             ext = _Ext(code, body)
             refs.append(ext)
             return ext
-    try:
-        msg = _unpackb(data, hook)
-    except ProtocolError:
-        raise
-    except Exception as exc:  # untrusted input: any failure to decode is a protocol failure
-        raise ProtocolError(f"malformed header: {type(exc).__name__}: {exc}") from None
+    msg = codec.loads(data, hook, "header")
     if not isinstance(msg, dict):
         raise ProtocolError(f"a header must be a msgpack map, got {type(msg).__name__}")
     if msg.get("v") != PROTOCOL_VERSION or isinstance(msg.get("v"), bool):
-        raise ProtocolError(f"protocol version {msg.get('v')!r} is not {PROTOCOL_VERSION}, the one this side speaks")
+        raise ProtocolError(f"protocol version {msg.get('v')!r} is not {PROTOCOL_VERSION}, the one this side speaks"
+                            [:codec.CLIP])
     return msg
-
-
-def _check_shape(shape: Any) -> list[int]:
-    if not isinstance(shape, list) or len(shape) > MAX_NDIM:
-        raise ProtocolError(f"tensor shape must be a list of at most {MAX_NDIM} ints, got {shape!r}"[:300])
-    for d in shape:
-        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < 2**40:
-            raise ProtocolError(f"tensor shape entries must be ints in [0, 2**40), got {shape!r}"[:300])
-    return shape
-
-
-def _check_dtype(name: Any) -> str:
-    if not isinstance(name, str) or name not in ITEMSIZE:
-        raise ProtocolError(f"tensor dtype {name!r} is not allowed; allowed: {sorted(ITEMSIZE)}"[:300])
-    return name
 
 
 class TensorResolver:
@@ -443,55 +277,44 @@ class TensorResolver:
             raise ProtocolError(f"tensor frames {unused[:8]} are not referenced by the header")
 
     def _tensor(self, ext: _Ext) -> Any:
-        try:
-            body = _unpackb(ext.data, _reject_ext)
-        except ProtocolError:
-            raise
-        except Exception as exc:
-            raise ProtocolError(f"malformed tensor reference: {type(exc).__name__}: {exc}") from None
+        body = codec.loads_descriptor(ext.data)
         if ext.code == EXT_FRAME:
-            if not isinstance(body, list) or len(body) != 3:
-                raise ProtocolError("a frame tensor must be [dtype, shape, index]")
-            name, shape, index = _check_dtype(body[0]), _check_shape(body[1]), body[2]
-            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(self.frames):
-                raise ProtocolError(f"tensor frame index {index!r} is out of range ({len(self.frames)} frames)"[:300])
-            if self.used[index]:
-                raise ProtocolError(f"tensor frame {index} is referenced twice")
-            self.used[index] = True
-            buf = _buffer(self.frames[index])
-            nbytes = math.prod(shape) * ITEMSIZE[name]
-            if buf.nbytes != nbytes:
-                raise ProtocolError(f"tensor of shape {shape} and dtype {name} needs {nbytes} bytes, "
-                                    f"frame {index} has {buf.nbytes}")
+            buf, name, shape, count = self._frame(body)
+            make = self.make
         elif ext.code == EXT_SHM:
-            if not isinstance(body, list) or len(body) != 4:
-                raise ProtocolError("a shared-memory tensor must be [segment, offset, dtype, shape]")
-            segment, offset = body[0], body[1]
-            name, shape = _check_dtype(body[2]), _check_shape(body[3])
-            if not isinstance(segment, str) or isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-                raise ProtocolError(f"bad shared-memory reference {body!r}"[:300])
-            if offset % ITEMSIZE[name]:
-                raise ProtocolError(f"offset {offset} is not aligned to the {name} element size")
-            if self.shm_view is None:
-                raise ProtocolError("a shared-memory tensor arrived, but this connection has none registered")
-            nbytes = math.prod(shape) * ITEMSIZE[name]
-            buf = self.shm_view(segment, offset, nbytes)
-            self.shm_blocks.append((segment, offset))
-            _check_bools(buf, name, nbytes)
-            return self.make_shm(buf, name, shape)
+            buf, name, shape, count = self._shm(body)
+            make = self.make_shm
         else:
             raise ProtocolError(f"unknown extension type {ext.code}")
-        _check_bools(buf, name, nbytes)
-        return self.make(buf, name, shape)
+        if name == "bool":
+            codec.check_bools(buf, count)
+        return make(buf, name, shape)
 
+    def _frame(self, body: Any) -> tuple[memoryview, str, list[int], int]:
+        if not isinstance(body, list) or len(body) != 3:
+            raise ProtocolError("a frame tensor must be [dtype, shape, index]")
+        name, shape, index = check_dtype(body[0]), codec.check_dims(body[1], "shape", _DIM_BOUND), body[2]
+        if not codec.is_int(index) or not 0 <= index < len(self.frames):
+            raise ProtocolError(f"tensor frame index {index!r} is out of range ({len(self.frames)} frames)"
+                                [:codec.CLIP])
+        if self.used[index]:
+            raise ProtocolError(f"tensor frame {index} is referenced twice")
+        self.used[index] = True
+        buf = _buffer(self.frames[index])
+        return buf, name, shape, codec.check_nbytes(name, shape, buf.nbytes, f"frame {index} has")
 
-def _check_bools(buf: memoryview, name: str, nbytes: int) -> None:
-    if name == "bool" and nbytes and np.frombuffer(buf, dtype=np.uint8).max() > 1:
-        raise ProtocolError("a bool tensor holds bytes other than 0 and 1")
-
-
-def _reject_ext(code: int, data: bytes) -> Any:
-    raise ProtocolError(f"extension type {code} is not allowed inside a tensor reference")
+    def _shm(self, body: Any) -> tuple[memoryview, str, list[int], int]:
+        if not isinstance(body, list) or len(body) != 4:
+            raise ProtocolError("a shared-memory tensor must be [segment, offset, dtype, shape]")
+        segment, offset = body[0], body[1]
+        name, shape = check_dtype(body[2]), codec.check_dims(body[3], "shape", _DIM_BOUND)
+        codec.check_placement(segment, offset, name)
+        if self.shm_view is None:
+            raise ProtocolError("a shared-memory tensor arrived, but this connection has none registered")
+        count = math.prod(shape)
+        buf = self.shm_view(segment, offset, count * ITEMSIZE[name])
+        self.shm_blocks.append((segment, offset))
+        return buf, name, shape, count
 
 
 def _buffer(frame: Any) -> memoryview:
@@ -507,30 +330,15 @@ def numpy_tensor(buf: memoryview, name: str, shape: list[int]) -> np.ndarray:
 def numpy_view(buf: memoryview, name: str, shape: list[int]) -> np.ndarray:
     """An array over ``buf`` itself, no copy: it keeps ``buf``'s exporter alive, and is
     writable if ``buf`` is."""
-    if name == "bfloat16":
-        raise ProtocolError("bfloat16 has no numpy dtype; use Client(..., tensor_type='torch')")
-    return np.frombuffer(buf, dtype=_NP_CODES[name], count=math.prod(shape)).reshape(shape)
+    return codec.build(buf, name, shape, math.prod(shape), "numpy")
 
 
 def torch_tensor(buf: memoryview, name: str, shape: list[int]) -> Any:
     """A writable copy the caller owns."""
-    import torch
-
-    if name == "bfloat16":
-        if not math.prod(shape):
-            return torch.empty(shape, dtype=torch.bfloat16)
-        return torch.frombuffer(bytearray(buf), dtype=torch.bfloat16).reshape(shape)
-    return torch.from_numpy(numpy_tensor(buf, name, shape))
+    return codec.build(bytearray(buf), name, shape, math.prod(shape), "torch")
 
 
 def torch_view(buf: memoryview, name: str, shape: list[int]) -> Any:
     """A tensor over ``buf`` itself, no copy (``buf`` must be writable): it keeps ``buf``'s
     exporter alive, as ``numpy_view`` does."""
-    import torch
-
-    count = math.prod(shape)
-    if name == "bfloat16":
-        if not count:
-            return torch.empty(shape, dtype=torch.bfloat16)
-        return torch.frombuffer(buf, dtype=torch.bfloat16, count=count).reshape(shape)
-    return torch.from_numpy(numpy_view(buf, name, shape))
+    return codec.build(buf, name, shape, math.prod(shape), "torch")
