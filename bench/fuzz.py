@@ -12,7 +12,7 @@ process's messages; counts inputs and crashes (there must be none).
                 the segments a client registered), finish()
     client      unpack_header, TensorResolver(numpy_tensor, a result    the server, to a client
                 segment), error_from_reply
-    handle      Server._handle of a real server over an inline engine: any client
+    handle      the server's MessageHandler over an inline engine:  any client
                 every message is answered with a typed reply, and
                 nothing escapes it (the I/O thread would log a server bug)
 
@@ -257,17 +257,19 @@ class Sink(Entry):
 
 
 class ServerHandle:
-    """A real ``runtime.serving.server.Server`` over an inline engine (a sink plugin), not started:
-    ``feed(frames)`` runs the I/O thread's ``_handle`` on one message and collects replies."""
+    """The server's message handling (``runtime.serving.handlers.MessageHandler``, as a
+    ``Server`` runs it) over an inline engine (a sink plugin), with no socket and no thread:
+    ``feed(frames)`` handles one message and collects the replies instead of sending them."""
 
     def __init__(self, ctx: FuzzContext) -> None:
-        from runtime.serving.server import Server
+        from runtime.serving.handlers import MessageHandler
 
         register_plugin("phyrt-fuzz-sink", Sink)
         self.dir = tempfile.mkdtemp(prefix="phyrt-fuzz-")
-        self.server = Server(Engine(EngineArgs(plugin="phyrt-fuzz-sink")), f"ipc://{self.dir}/fuzz.sock")
+        self.engine = Engine(EngineArgs(plugin="phyrt-fuzz-sink"))
+        # ipc://: shared memory is offered there only (nothing is bound: the replies come here)
+        self.server = MessageHandler(self.engine, f"ipc://{self.dir}/fuzz.sock", self._capture)
         self.replies: list[dict] = []
-        self.server._send = self._capture  # the replies, instead of the socket
         self.identity = b"fuzz-peer"
         self.ctx = ctx
 
@@ -278,27 +280,29 @@ class ServerHandle:
     def feed(self, frames: list[bytes]) -> bool:
         """One message (at least one frame, as a ROUTER hands it over); True if some reply
         so far said ok. ``BadReply`` for a reply that breaks the protocol."""
-        self.server._handle(self.identity, [zmq.Frame(f) for f in frames])
+        self.server.handle(self.identity, [zmq.Frame(f) for f in frames])
         return self.feed_nothing()
 
     def settle(self, timeout: float = 10.0) -> None:
         """Let the engine finish what it was given; check those replies too."""
         deadline = time.monotonic() + timeout
-        while len(self.server._requests) and time.monotonic() < deadline:
+        while self.server.inflight and time.monotonic() < deadline:
             time.sleep(0.01)
             self.feed_nothing()
 
     def feed_nothing(self) -> bool:
-        self.server._finish_completed()
-        self.server._expire_deadlines(time.monotonic())
+        self.server.settle()  # the I/O thread's share: replies left to it, deadlines due
         replies, self.replies = self.replies, []
         for reply in replies:
             check_reply(reply)
         return any(reply.get("ok") is True for reply in replies)
 
     def close(self) -> None:
-        self.server.close(0.0)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            self.engine.close(timeout=2.0)
+        finally:
+            self.server.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class BadReply(Exception):

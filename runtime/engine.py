@@ -9,19 +9,28 @@
 Everything that can be checked before a process starts is checked in the caller,
 in this order: the plugin resolves, ``configure(plugin_args)``,
 ``validate_parallel(parallel)``, the deployment's mode and device placement.
+
+``step`` submits inside ``runtime.transport.reader.expect_wait()``: the thread announces
+that it waits next, and a local replica's channel may let it read its own answer. A
+server reaches an idle inline replica through ``inline_runner()`` (see
+``runtime.execution.inline.IdleRunner``); nothing else crosses these layers.
 """
 
 from __future__ import annotations
 
 import weakref
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runtime.core.config import DeploymentConfig, EngineArgs
 from runtime.execution.dispatcher import RequestDispatcher
 from runtime.core.errors import EngineUnavailableError
 from runtime.execution.executor import ReplicaExecutor, ReplicaStatus
 from runtime.core.plugins import Entry, resolve_plugin
+from runtime.transport.reader import expect_wait
+
+if TYPE_CHECKING:
+    from runtime.execution.inline import IdleRunner
 
 __all__ = ["Engine", "ReplicaStatus"]
 
@@ -81,14 +90,9 @@ class Engine:
                     "plugin_args must be plain data (dicts with string keys, lists, strings, numbers, "
                     "bytes) to reach "
                     f"worker processes: {exc}") from None
-            executors = [MultiprocessExecutor(i, devices) for i, devices in enumerate(placement)]
-            supervisor = WorkerSupervisor(
-                self.args, entry_cls.spec(), placement, self.deployment.process_config,
-                self.args.config.device.resolve_target(),
-                on_group_failed=lambda index, reason: executors[index].mark_failed(reason))
-            for executor in executors:
-                executor.attach(supervisor)
-            return executors
+            supervisor = WorkerSupervisor(self.args, entry_cls.spec(), placement, self.deployment.process_config,
+                                          self.args.config.device.resolve_target())
+            return [MultiprocessExecutor(supervisor, i, devices) for i, devices in enumerate(placement)]
         if self.mode == "external":
             from runtime.execution.external import ExternalExecutor
 
@@ -104,23 +108,18 @@ class Engine:
         Raises the plugin's own error for a bad payload, and
         ``EngineUnavailableError`` when the engine is closed or no replica is healthy.
         """
-        return self._submit(request, False)
-
-    def _submit(self, request: Any, lead: bool) -> Future:
         if not self._finalizer.alive:
             raise EngineUnavailableError("the engine is closed")
         self._entry.validate_request(request)
-        return self._dispatcher.submit(request, lead)
+        return self._dispatcher.submit(request)
 
-    def run_if_idle(self, request: Any, before: Any = None) -> tuple[bool, Any, BaseException | None]:
-        """Run ``request`` here, in the calling thread, if this is one inline replica holding no
-        other request: ``(True, result, error)``; otherwise ``(False, None, None)`` and the
-        caller submits it as usual. ``before()`` runs once it is decided to run here (the
-        server hands its socket to another thread then). Validates the request first."""
-        if not self._finalizer.alive:
-            return False, None, None
-        self._entry.validate_request(request)
-        return self._dispatcher.run_if_idle(request, before)
+    def inline_runner(self) -> IdleRunner | None:
+        """The one inline replica's ``IdleRunner`` (runs a request in the calling thread when
+        the replica holds nothing else); None in any other mode."""
+        executors = self._dispatcher.executors
+        if self.mode != "inline" or len(executors) != 1:
+            return None
+        return executors[0].idle_runner(self._entry.validate_request)
 
     def step(self, request: Any, timeout: float | None = None) -> Any:
         """Run one request and return its result.
@@ -129,7 +128,8 @@ class Engine:
         time; a request that was still queued is then cancelled, one that was
         running goes on and its result is dropped.
         """
-        future = self._submit(request, True)  # this thread waits next: it may read its own answer
+        with expect_wait():  # this thread waits next: a local replica may let it read its own answer
+            future = self.submit(request)
         try:
             return future.result(timeout)
         except TimeoutError:

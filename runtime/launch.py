@@ -200,10 +200,7 @@ def curve_keys(opts: argparse.Namespace) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
-    # phyrt's own loggers at the chosen level; other libraries' only from WARNING
-    logging.basicConfig(level=max(logging.WARNING, getattr(logging, opts.log_level.upper())), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("phyrt").setLevel(opts.log_level.upper())
+    _configure_logging(opts.log_level)
     stop = threading.Event()
 
     def interrupt_start(signum: int, frame: Any) -> None:
@@ -233,15 +230,8 @@ def main(argv: list[str] | None = None) -> int:
 
         topology = _topology(engine)
         log.info("engine ready in %.1f s; binding %s", time.monotonic() - started, address)
-        metrics = None
-        if opts.metrics_port is not None:
-            from runtime.serving.metrics import ServerMetrics, start_metrics_server
-
-            served = engine
-            metrics_http = start_metrics_server(opts.metrics_port, opts.metrics_host,
-                                                ServerMetrics(replicas=lambda: served.replicas))
-            metrics = metrics_http.metrics
-            log.info("metrics on %s", metrics_http.url)
+        metrics_http = _start_metrics(opts, engine)
+        metrics = metrics_http.metrics if metrics_http is not None else None
         server = Server(engine, address, max_inflight=opts.max_inflight, max_message_bytes=opts.max_message_bytes,
                         curve=curve, info={"device": topology["device"], "backend": topology["backend"]},
                         metrics=metrics)
@@ -260,16 +250,40 @@ def main(argv: list[str] | None = None) -> int:
         _cleanup(engine, server, private_dir, 0.0, metrics_http)
         return 1
 
-    fields = {"address": server.address, **{k: topology[k] for k in
-              ("mode", "replicas", "ranks_per_replica", "device", "backend", "plugin")}, "pid": os.getpid()}
-    if metrics_http is not None:
-        fields["metrics"] = metrics_http.url
-    print("phyrt ready " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
+    _print_ready(server, topology, metrics_http)
     stop.wait()
     log.info("stopping: %d request(s) in flight, draining for up to %.1f s", server.inflight, opts.drain_timeout_s)
     _cleanup(None, server, private_dir, opts.drain_timeout_s, metrics_http)
     log.info("stopped")
     return 0
+
+
+def _configure_logging(level: str) -> None:
+    """phyrt's own loggers at ``level``; other libraries' only from WARNING."""
+    logging.basicConfig(level=max(logging.WARNING, getattr(logging, level.upper())), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("phyrt").setLevel(level.upper())
+
+
+def _start_metrics(opts: argparse.Namespace, engine: Any) -> Any:
+    """The Prometheus endpoint when ``--metrics-port`` asks for one (else None)."""
+    if opts.metrics_port is None:
+        return None
+    from runtime.serving.metrics import ServerMetrics, start_metrics_server
+
+    metrics_http = start_metrics_server(opts.metrics_port, opts.metrics_host,
+                                        ServerMetrics(replicas=lambda: engine.replicas))
+    log.info("metrics on %s", metrics_http.url)
+    return metrics_http
+
+
+def _print_ready(server: Any, topology: dict[str, Any], metrics_http: Any) -> None:
+    """The one line on stdout that says the server is up, and where."""
+    fields = {"address": server.address, **{k: topology[k] for k in
+              ("mode", "replicas", "ranks_per_replica", "device", "backend", "plugin")}, "pid": os.getpid()}
+    if metrics_http is not None:
+        fields["metrics"] = metrics_http.url
+    print("phyrt ready " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
 
 
 def _stop_handler(server: Any, stop: threading.Event) -> Any:

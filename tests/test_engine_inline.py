@@ -182,40 +182,42 @@ def test_unclosed_engine_does_not_keep_the_interpreter_alive():
     assert time.monotonic() - started < 25
 
 
-def test_run_if_idle_runs_in_the_calling_thread_only_when_nothing_else_is_held(engine):
+def test_the_inline_runner_runs_in_the_calling_thread_only_when_nothing_else_is_held(engine):
     import threading
 
+    runner = engine.inline_runner()
     calls = []
-    ran, result, error = engine.run_if_idle({"x": 1}, before=lambda: calls.append(threading.get_ident()))
+    ran, result, error = runner.run({"x": 1}, lambda: calls.append(threading.get_ident()))
     assert (ran, result, error) == (True, {"x": 1}, None) and calls == [threading.get_ident()]
-    ran, result, error = engine.run_if_idle({"raise": "ZeroDivisionError"})
+    ran, result, error = runner.run({"raise": "ZeroDivisionError"}, lambda: None)
     assert ran and result is None and isinstance(error, ZeroDivisionError)
     assert engine.replicas[0].healthy  # a plugin exception fails that request only, as submitted ones do
     with pytest.raises(ValueError, match="marked invalid"):
-        engine.run_if_idle({"invalid": True})
+        runner.run({"invalid": True}, lambda: None)
     # the engine holds a request (running on its thread): nothing runs here, nothing is called
     plugins.gate.clear()
     held = engine.submit({"wait_gate": True})
     time.sleep(0.1)
     plugins.log.clear()
-    assert engine.run_if_idle({"y": 2}, before=lambda: calls.append("no")) == (False, None, None)
+    assert runner.run({"y": 2}, lambda: calls.append("no")) == (False, None, None)
     assert plugins.log == [] and calls == [threading.get_ident()]
     plugins.gate.set()
     assert held.result(10) == {"wait_gate": True}
     assert engine.replicas[0].inflight == 0
     engine.close()
-    assert engine.run_if_idle({"z": 3}) == (False, None, None)
+    assert runner.run({"z": 3}, lambda: None) == (False, None, None)
 
 
-def test_a_request_waiting_behind_one_run_if_idle_runs_can_still_be_cancelled(engine):
+def test_a_request_waiting_behind_one_the_inline_runner_runs_can_still_be_cancelled(engine):
     """The serve thread marks a request running only once it holds the runner: one queued
-    while another thread runs a request (run_if_idle) stays cancellable (a server's deadline
-    cancels it) and never reaches the plugin."""
+    while another thread runs a request (``inline_runner()``) stays cancellable (a server's
+    deadline cancels it) and never reaches the plugin."""
     import threading
 
     plugins.gate.clear()
     try:
-        here = threading.Thread(target=engine.run_if_idle, args=({"wait_gate": True},), daemon=True)
+        here = threading.Thread(target=engine.inline_runner().run, args=({"wait_gate": True}, lambda: None),
+                                daemon=True)
         here.start()
         assert wait_until(lambda: engine.replicas[0].inflight == 1, 5)
         plugins.log.clear()

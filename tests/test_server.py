@@ -374,25 +374,38 @@ def test_sigterm_stops_the_server_and_leaves_nothing(server):
 @pytest.fixture
 def inline_server(tmp_path, monkeypatch):
     """A ``Server`` over an inline ``tests.plugins:Echo`` engine, in this process, with every
-    reply it sends recorded as (thread name, header)."""
-    import runtime.serving.server as server_module
+    reply it sends recorded as (thread name, header) in ``sent``, and the op of every
+    well-formed message it received in ``ops`` (its metrics)."""
+    import runtime.serving.loop as loop_module
     from runtime import Engine, EngineArgs
+    from runtime.serving.metrics import NullMetrics
+    from runtime.serving.router import ServerSocket
     from runtime.serving.server import Server
 
     # a message left unread would wait for the next housekeeping: make that wait unmissable
-    monkeypatch.setattr(server_module, "_HOUSEKEEPING_S", 30.0)
+    monkeypatch.setattr(loop_module, "_HOUSEKEEPING_S", 30.0)
+    sent: list[tuple[str, dict]] = []
+    send = ServerSocket.send
+
+    def recording_send(self, identity, header, frames=()):
+        sent.append((threading.current_thread().name, dict(header)))
+        return send(self, identity, header, frames)
+
+    monkeypatch.setattr(ServerSocket, "send", recording_send)
+
+    class RecordingMetrics(NullMetrics):
+        def __init__(self):
+            self.ops: list = []
+
+        def on_request(self, op):
+            self.ops.append(op)
+
     private = tmp_path / "run"
     private.mkdir(mode=0o700)
-    server = Server(Engine(EngineArgs(plugin="tests.plugins:Echo")), f"ipc://{private}/s.sock")
-    sent: list[tuple[str, dict]] = []
-    send = server._send
-
-    def recording_send(identity, header, frames=()):
-        sent.append((threading.current_thread().name, dict(header)))
-        return send(identity, header, frames)
-
-    server._send = recording_send
+    metrics = RecordingMetrics()
+    server = Server(Engine(EngineArgs(plugin="tests.plugins:Echo")), f"ipc://{private}/s.sock", metrics=metrics)
     server.sent = sent
+    server.ops = metrics.ops
     server.start()
     yield server
     server.close(5)
@@ -461,7 +474,7 @@ def test_no_message_is_stranded_while_engine_threads_send(inline_server):
         t.join(100)
     assert not errors, errors[:3]
     assert time.monotonic() - started < 25  # no stall of a housekeeping period
-    assert wait_until(lambda: len(inline_server._requests) == 0, 5)
+    assert wait_until(lambda: inline_server.inflight == 0, 5)
 
 
 @pytest.mark.timeout(120)
@@ -482,7 +495,7 @@ def test_a_deadline_racing_a_completion_answers_once(inline_server):
             replies[header["id"]] = replies.get(header["id"], 0) + 1
     assert sorted(replies.values()) == [1] * len(replies) and len(replies) == 61
     assert any(isinstance(o, DeadlineExceededError) for o in outcomes)
-    assert wait_until(lambda: len(inline_server._requests) == 0, 5)
+    assert wait_until(lambda: inline_server.inflight == 0, 5)
 
 
 @pytest.mark.timeout(60)
@@ -499,7 +512,7 @@ def test_a_request_running_in_a_server_thread_still_gets_its_deadline_and_cannot
             slow.result(10)
         assert time.monotonic() - started < 1.2  # answered before the request ended
         assert client.call({"after": 1}, timeout=30) == {"after": 1}  # queued behind it, then served
-    assert wait_until(lambda: len(inline_server._requests) == 0, 5)
+    assert wait_until(lambda: inline_server.inflight == 0, 5)
     replies = [h for _, h in inline_server.sent if h.get("op") == "submit" and h.get("id") == slow.request_id]
     assert len(replies) == 1 and replies[0]["error"]["type"] == "DeadlineExceeded"
 
@@ -545,15 +558,7 @@ def test_dropped_results_are_given_back_in_the_next_submit_and_a_bad_release_fie
     import msgpack
     import zmq
 
-    ops: list[str] = []
-    handle = inline_server._handle
-
-    def recording_handle(identity, frames):
-        header = frames[0]
-        ops.append(msgpack.unpackb(header.buffer if isinstance(header, zmq.Frame) else header).get("op"))
-        return handle(identity, frames)
-
-    inline_server._handle = recording_handle
+    ops = inline_server.ops
     image = np.arange(1 << 18, dtype=np.uint8).reshape(512, 512)  # 256 KiB: shared memory both ways
     with Client(inline_server.address, heartbeat_interval_s=60.0, heartbeat_timeout_s=120.0) as client:
         assert client.call({"warm": 1}, timeout=30) == {"warm": 1}
@@ -563,7 +568,8 @@ def test_dropped_results_are_given_back_in_the_next_submit_and_a_bad_release_fie
             result = client.call({"image": image, "i": i}, timeout=30)
             assert np.array_equal(result["image"], image)
             del result
-            assert len(shm._outstanding) == 1  # the one just dropped; the rest came back with submits
+            # the one just dropped; the rest came back with submits (freed just after each reply went out)
+            assert wait_until(lambda: len(shm._outstanding) == 1, 5), shm._outstanding
         assert ops.count("submit") == 21 and "release" not in ops, ops
         assert len(shm._arena.segments) == 1
 

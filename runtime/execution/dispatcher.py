@@ -35,9 +35,8 @@ class RequestDispatcher:
     def statuses(self) -> list[ReplicaStatus]:
         return [executor.status() for executor in self._executors]
 
-    def submit(self, request: Any, lead: bool = False) -> Future:
-        """Hand ``request`` to a replica. ``lead``: the caller waits on the future next
-        (``Engine.step``); a local replica lets that thread read its own answer."""
+    def submit(self, request: Any) -> Future:
+        """Hand ``request`` to a replica; ``EngineUnavailableError`` when none is healthy."""
         with self._lock:
             if self._closed:
                 raise EngineUnavailableError("the engine is closed")
@@ -45,7 +44,7 @@ class RequestDispatcher:
                 executor = self._executors[0]
                 if executor.healthy:
                     try:
-                        return executor.submit(request, lead)
+                        return executor.submit(request)
                     except EngineUnavailableError:
                         pass
                 raise EngineUnavailableError(self._none_healthy())
@@ -55,16 +54,9 @@ class RequestDispatcher:
                 if executor is None:
                     raise EngineUnavailableError(self._none_healthy())
                 try:
-                    return executor.submit(request, lead)
+                    return executor.submit(request)
                 except EngineUnavailableError:
                     tried.add(executor.index)  # it failed between the check and the send
-
-    def run_if_idle(self, request: Any, before: Any = None) -> tuple[bool, Any, BaseException | None]:
-        """Run ``request`` in the calling thread when the engine is one idle inline replica
-        (see ``InlineExecutor.run_if_idle``); ``(False, None, None)`` otherwise."""
-        if len(self._executors) != 1 or self._closed:
-            return False, None, None
-        return self._executors[0].run_if_idle(request, before)
 
     def _choose(self, tried: set[int]) -> ReplicaExecutor | None:
         count = len(self._executors)

@@ -3,7 +3,10 @@
 An executor is always one complete model replica, however many ranks it spans.
 It owns its in-flight count (raised on submit, lowered when the future is done)
 and its health, which only ever goes from healthy to failed: phyrt never restarts
-a replica.
+a replica. ``submit(request) -> Future`` is the whole interface the dispatcher
+uses; how a caller will wait for the future is no business of it (a thread about
+to wait says so with ``runtime.transport.reader.expect_wait``, which a channel
+may read).
 """
 
 from __future__ import annotations
@@ -42,18 +45,11 @@ class ReplicaExecutor(abc.ABC):
     # -- what subclasses implement -------------------------------------------------
 
     @abc.abstractmethod
-    def _submit(self, request: Any, future: Future, lead: bool) -> None:
-        """Start ``request``; complete ``future`` later (from any thread). ``lead``: the
-        caller waits on ``future`` right away (``Engine.step``), a hint an executor may use."""
+    def _submit(self, request: Any, future: Future) -> None:
+        """Start ``request``; complete ``future`` later (from any thread)."""
 
     def _new_future(self) -> Future:
         return Future()
-
-    def run_if_idle(self, request: Any, before: Any = None) -> tuple[bool, Any, BaseException | None]:
-        """Run ``request`` in the calling thread if this replica can and holds nothing else:
-        ``(True, result, error)``; ``(False, None, None)`` otherwise (here: never; the inline
-        executor can)."""
-        return False, None, None
 
     @abc.abstractmethod
     def close(self, timeout: float | None = None) -> None:
@@ -63,7 +59,7 @@ class ReplicaExecutor(abc.ABC):
 
     @property
     def healthy(self) -> bool:
-        return self._error is None
+        return self.error is None
 
     @property
     def error(self) -> str | None:
@@ -75,7 +71,8 @@ class ReplicaExecutor(abc.ABC):
         return self._inflight
 
     def status(self) -> ReplicaStatus:
-        return ReplicaStatus(self.index, self.mode, self.healthy, self._inflight, self.devices, self._error)
+        error = self.error
+        return ReplicaStatus(self.index, self.mode, error is None, self._inflight, self.devices, error)
 
     def mark_failed(self, reason: str) -> bool:
         """Take the replica out of service for good; True the first time only."""
@@ -85,15 +82,17 @@ class ReplicaExecutor(abc.ABC):
             self._error = reason
             return True
 
-    def submit(self, request: Any, lead: bool = False) -> Future:
-        if self._error is not None:
-            raise EngineUnavailableError(f"replica {self.index} is not serving: {self._error}")
+    def submit(self, request: Any) -> Future:
+        """Hand ``request`` to this replica; its future completes later (from any thread)."""
+        error = self.error
+        if error is not None:
+            raise EngineUnavailableError(f"replica {self.index} is not serving: {error}")
         future = self._new_future()
         with self._state_lock:
             self._inflight += 1
         future.add_done_callback(self._done)
         try:
-            self._submit(request, future, lead)
+            self._submit(request, future)
         except BaseException as exc:
             if not future.done():
                 future.set_exception(exc)

@@ -46,18 +46,12 @@ Invariants:
   has ``DeploymentConfig.process_config.startup_timeout_s``, since ranks load
   weights at different speeds; serving has ``collective_timeout_s``.
 
-The fingerprint and what it covers: ``runtime.execution.fingerprint``.
-
-Cost (best of 5 runs of 100 on this project's loaded 2-core CPU machine, torch 2.13;
-``python -m runtime.execution.fingerprint`` prints the fingerprint table on yours). The fingerprint
-is linear in the number of Python objects in the request and constant per large
-tensor: 19 us for a small dict, 130 us for a qwen3 request of 1,000 token ids,
-about 45 us per tensor over ``FULL_BYTES`` whatever its size (183 us for four
-3x224x224 float32 images, 50 us for one 1 GiB tensor); a CUDA tensor adds one
-device-to-host copy of its 64 samples (a synchronisation). The agreement adds one
-all_gather of 16 bytes per rank on the gloo CPU group: 0.2-1.3 ms between two
-processes on loopback on that machine, dominated by its load (a network round trip
-or two across nodes); a whole external step of a trivial request took 0.6-1.4 ms.
+Cost (best of 5 runs of 100 on a loaded 2-core CPU machine; what the fingerprint covers, and
+its table on your machine: ``python -m runtime.execution.fingerprint``): it is linear in the
+request's Python objects and constant per large tensor (19 us for a small dict, 130 us for
+1,000 token ids, about 45 us per tensor over ``FULL_BYTES``; a CUDA tensor adds one
+device-to-host copy of 64 samples); the agreement is one all_gather of 16 bytes per rank
+(0.2-1.3 ms on loopback gloo); a whole external step of a trivial request took 0.6-1.4 ms.
 """
 
 from __future__ import annotations
@@ -112,6 +106,24 @@ def launcher_env(environ: Any = None) -> dict[str, Any]:
     return env
 
 
+def _launch_checked(args: EngineArgs, deployment: DeploymentConfig) -> dict[str, Any]:
+    """The launcher's variables, once they fit the deployment (``ValueError`` naming the rule otherwise)."""
+    if deployment.devices is not None:
+        raise ValueError(f"external mode takes each rank's device from LOCAL_RANK; leave "
+                         f"DeploymentConfig.devices as None, got {deployment.devices}")
+    parallel = args.config.parallel
+    needed = parallel.infer_replica_world_size()
+    env = launcher_env()
+    if env["WORLD_SIZE"] != needed:
+        raise ValueError(
+            f"the launcher started WORLD_SIZE={env['WORLD_SIZE']} processes, but the ParallelConfig needs "
+            f"{needed} ranks for its one replica (pipeline {parallel.outer.pipeline_size} x cfg "
+            f"{parallel.outer.cfg_size} x partition {parallel.partition_size}); external mode serves "
+            f"exactly one replica: launch {needed} processes in all (nnodes x nproc-per-node) or change "
+            "the ParallelConfig")
+    return env
+
+
 def _seconds(value: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=value)
 
@@ -152,19 +164,8 @@ class ExternalExecutor(ReplicaExecutor):
         from runtime import parallel as P
         from runtime.execution.engine_core import EngineCore, make_context
 
-        if deployment.devices is not None:
-            raise ValueError(f"external mode takes each rank's device from LOCAL_RANK; leave "
-                             f"DeploymentConfig.devices as None, got {deployment.devices}")
         parallel = args.config.parallel
-        needed = parallel.infer_replica_world_size()
-        env = launcher_env()
-        if env["WORLD_SIZE"] != needed:
-            raise ValueError(
-                f"the launcher started WORLD_SIZE={env['WORLD_SIZE']} processes, but the ParallelConfig needs "
-                f"{needed} ranks for its one replica (pipeline {parallel.outer.pipeline_size} x cfg "
-                f"{parallel.outer.cfg_size} x partition {parallel.partition_size}); external mode serves "
-                f"exactly one replica: launch {needed} processes in all (nnodes x nproc-per-node) or change "
-                "the ParallelConfig")
+        env = _launch_checked(args, deployment)
         if P.is_initialized():
             raise RuntimeError("runtime.parallel is already initialized in this process: an external engine "
                                "is one per process; close the other one first")
@@ -217,19 +218,17 @@ class ExternalExecutor(ReplicaExecutor):
         self._closed = False
         self._released = False
 
-    def submit(self, request: Any, lead: bool = False) -> Future:
+    def submit(self, request: Any) -> Future:
         """Run ``request`` now, in this thread, and return its completed future.
 
-        Requests run in order, one at a time: this call returns once the request has
-        finished on this rank. Every rank must submit the same requests in the same
-        order. The future holds the result on the output rank (world rank 0) and
-        ``None`` on every other rank; or the plugin's own exception, a
-        ``RequestMismatchError`` (the ranks' requests differ; the engine stays
-        usable) or ``EngineUnavailableError`` (a collective failed; for good).
-        """
-        return super().submit(request, lead)
+        Requests run in order, one at a time: this call returns once the request has finished
+        on this rank. Every rank must submit the same requests in the same order. The future
+        holds the result on the output rank (world rank 0) and ``None`` on every other rank; or
+        the plugin's own exception, a ``RequestMismatchError`` (the ranks' requests differ; the
+        engine stays usable) or ``EngineUnavailableError`` (a collective failed; for good)."""
+        return super().submit(request)
 
-    def _submit(self, request: Any, future: Future, lead: bool = False) -> None:
+    def _submit(self, request: Any, future: Future) -> None:
         future.set_running_or_notify_cancel()
         with self._run_lock:
             seq = -1

@@ -3,10 +3,13 @@
     caller threads --submit--> FIFO queue --> serve thread --> EngineCore.step()
                    <--------- Future.set_result / set_exception ------------'
 
+    a server's I/O thread --IdleRunner.run(request, hand_over)--> EngineCore.run()   (same thread)
+                          <-- (True, result, error), or (False, None, None): submit it instead
+
 Invariants:
 - Requests start in submission order. A request still in the queue can be
   cancelled (``Future.cancel()``); it runs once the serve thread holds the runner
-  for it (one the serve thread waits with, behind a request ``run_if_idle`` runs,
+  for it (one the serve thread waits with, behind a request an ``IdleRunner`` runs,
   is still queued).
 - A stepped (batching) runner is handed everything queued at each step, so
   concurrent requests share forward passes; an executing runner takes one at a time.
@@ -15,9 +18,17 @@ Invariants:
   ``Exception`` (say ``SystemExit`` from plugin code) takes the replica down.
 - The serve thread is a daemon: an engine nobody closed never keeps the interpreter
   alive; ``Engine`` closes it from a ``weakref.finalize`` at exit.
-- ``run_if_idle`` runs a request in the calling thread instead (no hand-off to the
-  serve thread) when the replica holds no other request; the runner is entered by one
-  thread at a time (``_exec_lock``), so the two paths never overlap.
+
+``IdleRunner`` (``Engine.inline_runner()``) is the one extra capability, for a server that
+wants an idle engine to answer in the thread that read the request (no hop to the serve
+thread and back). ``run(request, hand_over)`` validates the request with the plugin's
+``validate_request`` (its error is raised there), then runs it in the calling thread if
+the replica is serving, holds no other request and its runner executes one request at a
+time; ``hand_over()`` is called once that is decided, before the plugin runs (the server
+gives its loop to another thread then). The runner is entered by one thread at a time
+(``_exec_lock``), so this path and the serve thread never overlap; the request counts as
+in flight while it runs, so a submit meanwhile queues behind it. Otherwise nothing ran
+and the caller submits the request as usual.
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ import itertools
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Callable
 
 from runtime.core.errors import EngineUnavailableError
 from runtime.execution.executor import ReplicaExecutor
@@ -34,6 +45,7 @@ from runtime.core.futures import resolve
 from runtime.execution.engine_core import EngineCore
 
 _STOP = object()
+_DECLINED: tuple[bool, Any, BaseException | None] = (False, None, None)
 
 
 class InlineExecutor(ReplicaExecutor):
@@ -51,7 +63,7 @@ class InlineExecutor(ReplicaExecutor):
         self._thread = threading.Thread(target=self._serve, name=f"phyrt-inline-{index}", daemon=True)
         self._thread.start()
 
-    def _submit(self, request: Any, future: Future, lead: bool = False) -> None:
+    def _submit(self, request: Any, future: Future) -> None:
         with self._close_lock:
             if self._closed:
                 raise EngineUnavailableError("the engine is closed")
@@ -69,7 +81,7 @@ class InlineExecutor(ReplicaExecutor):
                     self._give_back(taken, "the engine is closed")
                     return
                 # a request is marked running only once the runner is ours: one that waits
-                # here behind a request run by another thread (run_if_idle) is still queued,
+                # here behind a request run by another thread (IdleRunner) is still queued,
                 # so a deadline can still cancel it
                 with self._exec_lock:
                     self._admit(taken)
@@ -88,20 +100,25 @@ class InlineExecutor(ReplicaExecutor):
             self._fail_running(reason, exc)
             self._drain_queue(reason)  # the thread ends here; the failure is the replica's state
 
-    def run_if_idle(self, request: Any, before: Any = None) -> tuple[bool, Any, BaseException | None]:
-        """Run ``request`` in this thread if the replica holds no other request and its runner
-        executes one request at a time: ``(True, result, error)``; else ``(False, None, None)``
-        and nothing happened. ``before()`` is called first, once it is decided to run here."""
+    def idle_runner(self, validate: Callable[[Any], None]) -> "IdleRunner":
+        """This replica's ``IdleRunner``; ``validate`` is the plugin's ``validate_request``."""
+        return IdleRunner(self, validate)
+
+    def _run_idle(self, request: Any, validate: Callable[[Any], None],
+                  hand_over: Callable[[], None]) -> tuple[bool, Any, BaseException | None]:
+        """``IdleRunner.run``: see the module docstring."""
+        if self._closed or self._error is not None:
+            return _DECLINED  # the caller's submit says why
+        validate(request)
         if self._core.batching or not self._exec_lock.acquire(blocking=False):
-            return False, None, None
+            return _DECLINED
         try:
             with self._state_lock:
                 if self._closed or self._error is not None or self._inflight:
-                    return False, None, None
+                    return _DECLINED
                 self._inflight += 1  # a submit meanwhile queues behind this one
             try:
-                if before is not None:
-                    before()
+                hand_over()
                 try:
                     [(_, result, error)] = self._core.run(next(self._ids), request)
                 except BaseException as exc:  # the runner itself broke, as in the serve thread
@@ -186,13 +203,29 @@ class InlineExecutor(ReplicaExecutor):
             self._fail_running(f"the engine closed while a request was still running after {timeout} s")
             return
         self._fail_running("the engine is closed")
-        # a request running in another thread (run_if_idle) finishes before the runner closes
+        # a request running in another thread (IdleRunner) finishes before the runner closes
         if not self._exec_lock.acquire(timeout=-1 if timeout is None else timeout):
             return
         try:
             self._core.close()
         finally:
             self._exec_lock.release()
+
+
+class IdleRunner:
+    """Runs a request in the calling thread when the inline replica is idle (module docstring)."""
+
+    __slots__ = ("_executor", "_validate")
+
+    def __init__(self, executor: InlineExecutor, validate: Callable[[Any], None]) -> None:
+        self._executor = executor
+        self._validate = validate
+
+    def run(self, request: Any, hand_over: Callable[[], None]) -> tuple[bool, Any, BaseException | None]:
+        """Validate ``request`` (raising the plugin's error), then run it here if the replica
+        holds nothing else, calling ``hand_over()`` first: ``(True, result, error)``;
+        otherwise ``(False, None, None)``, nothing ran, and the caller submits it."""
+        return self._executor._run_idle(request, self._validate, hand_over)
 
 
 def _fail(future: Future, reason: str, cause: BaseException | None = None) -> None:

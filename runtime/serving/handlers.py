@@ -1,0 +1,349 @@
+"""MessageHandler: what the server does with one client message, without a socket or threads of its own.
+
+Imports ``runtime.serving`` (requests, replies, shm, metrics), ``runtime.transport.protocol``
+and ``runtime.core.errors`` of the project.
+
+    handle(identity, [header, *tensor frames], turn)
+      header: decoded one frame at a time, lengths bounded by the frame; op, id and fields checked
+      submit  -> limits, tensors resolved (frames: read-only views; shm: the sender's own segments)
+                 -> idle inline engine and a ``turn``: IdleRunner.run here (turn.hand_over first)
+                 -> else engine.submit; Replies.on_done sends the reply from the engine's thread
+      cancel, ping, info, register, release -> answered here (release: no reply)
+      a malformed message -> an InvalidRequest reply; a refused one -> its typed error reply
+    settle()        the I/O thread's share of the replies (Replies.settle)
+    housekeeping()  shared memory of silent clients dropped; rejected messages logged
+
+Invariants:
+- Everything a client sends is untrusted: unknown ops and fields are refused, tensor
+  references are checked against the frames and against the segments that very
+  connection registered, and the plugin's ``validate_request`` runs before queueing.
+  Nothing a message holds escapes ``handle`` as an exception (a server bug aside).
+- ``max_inflight`` counts requests the engine still holds, answered or not (``requests``).
+- Engine calls return at once (``Engine.submit`` validates and queues); the one that
+  runs the plugin here (``IdleRunner.run``) calls ``turn.hand_over()`` first, so that
+  the socket is read by another thread meanwhile, and ``turn.take_back()`` after the reply.
+- Shared memory is offered over ipc:// only, per connection (``runtime.serving.shm``).
+
+Driving it directly (``bench.fuzz`` does): ``MessageHandler(engine, address, send)``, then
+``handle`` messages, ``settle()`` until ``inflight`` is 0, and ``close()``; the engine stays
+the caller's.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+import secrets
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import msgpack
+import numpy as np
+import torch
+import zmq
+
+from runtime.core.errors import EngineUnavailableError, ProtocolError
+from runtime.serving.metrics import NullMetrics
+from runtime.serving.replies import Replies, Send
+from runtime.serving.requests import (HEADER_FIELDS, OP_FIELDS, InFlight, Rejected, Request, RunningHere, clip, no_frames,
+                                      outcome_of_result, register_fields, release_blocks, request_tensor,
+                                      submit_options)
+from runtime.serving.shm import ClientShm, ShmClientsFull, ShmSessions
+from runtime.transport.protocol import (MAX_TENSOR_FRAMES, PROTOCOL_VERSION, TensorResolver, is_request_id,
+                                        unpack_header)
+
+log = logging.getLogger("phyrt.server")
+
+DEFAULT_MAX_INFLIGHT = 256
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+MAX_HEADER_BYTES = 16 << 20
+_ALLOWED_FIELDS = {op: HEADER_FIELDS | fields for op, fields in OP_FIELDS.items()}
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Limits and extras of a server: ``info`` adds fields to what the ``info`` op answers."""
+
+    max_inflight: int = DEFAULT_MAX_INFLIGHT
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    client_timeout_s: float = 60.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_inflight, bool) or not isinstance(self.max_inflight, int) or self.max_inflight < 1:
+            raise ValueError(f"max_inflight must be an int >= 1, got {self.max_inflight!r}")
+        if (isinstance(self.max_message_bytes, bool) or not isinstance(self.max_message_bytes, int)
+                or self.max_message_bytes < 1024):
+            raise ValueError(f"max_message_bytes must be an int >= 1024, got {self.max_message_bytes!r}")
+
+    @property
+    def max_header_bytes(self) -> int:
+        return min(MAX_HEADER_BYTES, self.max_message_bytes)
+
+
+class Turn(Protocol):
+    """The loop a submit run in the reading thread gives up meanwhile (``runtime.serving.loop``)."""
+
+    def hand_over(self) -> None: ...
+
+    def take_back(self) -> None: ...
+
+
+class MessageHandler:
+    """Handles the messages ``address`` receives for ``engine``; replies go through ``send``."""
+
+    def __init__(self, engine: Any, address: str, send: Send, options: ServerOptions = ServerOptions(), *,
+                 metrics: Any = None, wake: Callable[[], None] = lambda: None) -> None:
+        self.server_id = secrets.token_hex(8)
+        self.address = address
+        self._engine = engine
+        self._options = options
+        self._ipc = address.startswith("ipc://")
+        self._metrics = metrics if metrics is not None else NullMetrics()
+        self._runner = engine.inline_runner()
+        self._cancellable = engine.mode == "inline"  # local ranks run whatever they were sent
+        self.requests = InFlight()
+        self.shm = ShmSessions()
+        self.accepting = True
+        self.replies = Replies(send, self.requests, self._metrics, self._cancellable, wake)
+        self._rejected = 0
+        self._last_reject_log = time.monotonic()
+        # request tensors are deliberately read-only views of the received frames
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+    @property
+    def runs_here(self) -> bool:
+        """Whether a submit may run in the thread that read it (an inline engine)."""
+        return self._runner is not None
+
+    @property
+    def inflight(self) -> int:
+        return len(self.requests)
+
+    def stop_accepting(self) -> None:
+        """New submits get EngineUnavailable from now on; ping and info still answer."""
+        self.accepting = False
+        self.replies.draining = True
+
+    def settle(self) -> float:
+        """Send the replies the I/O thread owes (``Replies.settle``); returns the time used."""
+        return self.replies.settle()
+
+    def close(self) -> None:
+        """Unmap and unlink every client's shared memory."""
+        self.shm.close()
+
+    # -- one message --------------------------------------------------------------------
+
+    def handle(self, identity: bytes, frames: list[Any], turn: Turn | None = None) -> None:
+        """One message as the ROUTER hands it over: [header, *tensor frames]. ``turn``: a
+        submit may run in this thread if the engine is idle (the loop is given up meanwhile)."""
+        op = request_id = None
+        started = time.monotonic()
+        try:
+            if len(frames) > 1 + MAX_TENSOR_FRAMES:
+                raise ProtocolError(f"{len(frames) - 1} tensor frames; at most {MAX_TENSOR_FRAMES}")
+            head, refs = frames[0], []
+            header = unpack_header(head.buffer if isinstance(head, zmq.Frame) else head,
+                                   self._options.max_header_bytes, refs)
+            op, request_id = header.get("op"), header.get("id")
+            allowed = _ALLOWED_FIELDS.get(op) if isinstance(op, str) else None
+            if allowed is None:
+                bad_op, op = op, None
+                raise ProtocolError(f"unknown op {bad_op!r}; known: {sorted(OP_FIELDS)}"[:300])
+            if not is_request_id(request_id):
+                bad_id, request_id = request_id, None
+                raise ProtocolError(f"id must be an int in [0, 2**64) or a str of 1 to 128 characters, "
+                                    f"got {bad_id!r}"[:300])
+            if not header.keys() <= allowed:
+                unknown = header.keys() - HEADER_FIELDS - OP_FIELDS[op]
+                raise ProtocolError(f"unknown fields {sorted(unknown)} for op {op!r}; "
+                                    f"allowed: {sorted(OP_FIELDS[op])}"[:300])
+            self._metrics.on_request(op)
+            client = self.shm.get(identity)
+            if client is not None:
+                client.last_seen = started
+            if op == "submit":
+                self._op_submit(identity, request_id, header, frames[1:], client, bool(refs), turn)
+            else:
+                getattr(self, f"_op_{op}")(identity, request_id, header, frames[1:], client)
+        except ProtocolError as exc:
+            self._note_rejected(exc)
+            self._metrics.on_reply(False, "InvalidRequest", time.monotonic() - started, op=op or "other")
+            self.replies.error(identity, op, request_id, "InvalidRequest", clip(str(exc)))
+        except Rejected as exc:
+            self._metrics.on_reply(False, exc.type, time.monotonic() - started, op=op or "other")
+            self.replies.error(identity, op, request_id, exc.type, clip(str(exc)))
+
+    # -- submit -------------------------------------------------------------------------
+
+    def _op_submit(self, identity: bytes, request_id: Any, header: dict, frames: list, client: ClientShm | None,
+                   tensors: bool, turn: Turn | None) -> None:
+        """``tensors``: the header holds tensor references (False: the payload is plain data).
+
+        The result blocks a submit's ``release`` gives back are freed once the request is
+        answered or handed to the engine: a request run here waits for nothing but its run."""
+        timeout_s, shm_results = submit_options(header)
+        released = None
+        if "release" in header:
+            released = release_blocks(header["release"])
+            if released is None:
+                raise ProtocolError("release must be a list of at most 4096 [segment, offset] blocks")
+        try:
+            req, payload = self._admit(identity, request_id, header, frames, client, tensors, timeout_s,
+                                       shm_results)
+            if turn is None or self._runner is None or not self._run_here(req, payload, turn):
+                self._submit(req, payload)
+        finally:
+            if released and client is not None:
+                client.release(released, mapped=True)
+
+    def _admit(self, identity: bytes, request_id: Any, header: dict, frames: list, client: ClientShm | None,
+               tensors: bool, timeout_s: float | None, shm_results: bool) -> tuple[Request, Any]:
+        """The checks before the engine sees a submit; its ``Request`` and decoded payload."""
+        if not self.accepting:
+            raise Rejected("EngineUnavailable", "the server is shutting down")
+        if len(self.requests) >= self._options.max_inflight:
+            raise Rejected("Overloaded", f"{len(self.requests)} requests in flight, the server's limit "
+                                         f"(--max-inflight {self._options.max_inflight}); retry later")
+        if (identity, request_id) in self.requests:
+            raise ProtocolError(f"request id {request_id!r} is already in flight on this connection"[:300])
+        if tensors or frames:
+            resolver = TensorResolver(frames, request_tensor, client.view if client is not None else None)
+            payload = resolver.resolve(header["payload"])
+            resolver.finish()
+            holds_inputs = bool(resolver.shm_blocks) and self._cancellable
+        else:
+            payload, holds_inputs = header["payload"], False
+        req = Request(identity, request_id, None, timeout_s, client, shm_results and client is not None,
+                      holds_inputs)
+        return req, payload
+
+    def _submit(self, req: Request, payload: Any) -> None:
+        try:
+            future = self._engine.submit(payload)
+        except EngineUnavailableError as exc:
+            raise Rejected("EngineUnavailable", str(exc)) from None
+        except Exception as exc:  # the plugin's validate_request (or encoding for local ranks) refused it
+            raise Rejected("InvalidRequest", f"{type(exc).__name__}: {exc}") from None
+        req.future = future
+        self.requests.add(req)
+        future.add_done_callback(functools.partial(self.replies.on_done, req))
+
+    def _run_here(self, req: Request, payload: Any, turn: Turn) -> bool:
+        """Run ``req`` in this thread if the engine is idle (True: answered, or failing as a
+        submitted request would); the loop is handed over first and taken back after the reply."""
+        running = RunningHere()
+
+        def hand_over() -> None:
+            req.future = running
+            self.requests.add(req)
+            turn.hand_over()
+
+        try:
+            ran, result, error = self._runner.run(payload, hand_over)
+        except Exception as exc:  # the plugin's validate_request refused it
+            raise Rejected("InvalidRequest", f"{type(exc).__name__}: {exc}") from None
+        if ran:
+            running.finished = True
+            self.replies.finish(req, outcome_of_result(req, result, error))  # sends the reply
+            turn.take_back()
+        return ran
+
+    # -- the other ops ----------------------------------------------------------------------
+
+    def _op_cancel(self, identity: bytes, request_id: Any, header: dict, frames: list, client: Any) -> None:
+        no_frames(frames)
+        target = header.get("target")
+        if not is_request_id(target):
+            raise ProtocolError(f"cancel needs the target id of a submit, got {target!r}"[:300])
+        req = self.requests.get((identity, target))
+        if req is None or req.replied:
+            outcome = {"cancelled": False, "detail": f"request {target!r} is not in flight"}
+        elif not self._cancellable:
+            outcome = {"cancelled": False, "detail": "requests on local replicas go to their ranks at once "
+                                                     "and cannot be cancelled"}
+        elif req.future.cancel():  # its Cancelled reply follows from the done callback
+            outcome = {"cancelled": True, "detail": "cancelled while queued"}
+        else:
+            outcome = {"cancelled": False, "detail": "already running"}
+        self.replies.ok(identity, "cancel", request_id, outcome)
+
+    def _op_ping(self, identity: bytes, request_id: Any, header: dict, frames: list, client: Any) -> None:
+        no_frames(frames)
+        self.replies.ok(identity, "ping", request_id, {"server_id": self.server_id, "time": time.time()})
+
+    def _op_info(self, identity: bytes, request_id: Any, header: dict, frames: list, client: Any) -> None:
+        no_frames(frames)
+        self.replies.ok(identity, "info", request_id, self.info())
+
+    def _op_register(self, identity: bytes, request_id: Any, header: dict, frames: list,
+                     client: ClientShm | None) -> None:
+        no_frames(frames)
+        if not self._ipc:
+            raise ProtocolError("shared memory is offered over ipc:// only")
+        run_id, segments, pid = register_fields(header)
+        try:
+            client = self.shm.register(identity, run_id, segments, pid)
+        except ShmClientsFull as exc:
+            raise Rejected("Overloaded", str(exc)) from None
+        self.replies.ok(identity, "register", request_id,
+                        {"run_id": client.run_id, "result_run_id": client.result_run_id, "mapped": segments})
+
+    def _op_release(self, identity: bytes, request_id: Any, header: dict, frames: list,
+                    client: ClientShm | None) -> None:
+        keys = release_blocks(header.get("blocks"))
+        if frames or client is None or keys is None:
+            return  # nothing to answer: a bad release only fails to free its sender's own blocks
+        client.release(keys, mapped=True)
+
+    def info(self) -> dict[str, Any]:
+        """What ``info`` answers: plugin, topology, replicas, versions, limits."""
+        engine = self._engine
+        return {
+            "server_id": self.server_id,
+            "address": self.address,
+            "plugin": engine.args.plugin,
+            "mode": engine.mode,
+            "replica_count": len(engine.replicas),
+            "ranks_per_replica": engine.ranks_per_replica,
+            "replicas": [{"index": r.index, "healthy": r.healthy, "inflight": r.inflight,
+                          "devices": list(r.devices), "error": r.error} for r in engine.replicas],
+            "inflight": len(self.requests),
+            "max_inflight": self._options.max_inflight,
+            "accepting": self.accepting,
+            "shm": self._ipc,
+            "versions": _versions(),
+            **self._options.info,
+        }
+
+    # -- upkeep -------------------------------------------------------------------------
+
+    def housekeeping(self, now: float) -> None:
+        """Drop the shared memory of clients silent for ``client_timeout_s``; log rejections."""
+        self.shm.drop_gone(now, self._options.client_timeout_s)
+        if self._rejected:
+            log.warning("rejected %d malformed message(s) in the last %.0f s", self._rejected,
+                        now - self._last_reject_log)
+            self._rejected = 0
+            self._last_reject_log = now
+
+    def _note_rejected(self, exc: Exception) -> None:
+        self._rejected += 1
+        log.debug("malformed message: %s", exc)
+
+
+@functools.lru_cache(maxsize=1)
+def _versions() -> dict[str, Any]:
+    from importlib import metadata
+
+    try:
+        phyrt_version = metadata.version("phyrt")
+    except metadata.PackageNotFoundError:
+        phyrt_version = "unknown"
+    return {"phyrt": phyrt_version, "protocol": PROTOCOL_VERSION, "python": platform.python_version(),
+            "torch": torch.__version__, "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(),
+            "msgpack": ".".join(map(str, msgpack.version)), "numpy": np.__version__}

@@ -1,0 +1,120 @@
+"""Replies: every reply of the server, and which thread sends a submit's one reply.
+
+Imports ``runtime.serving.requests`` and ``runtime.transport.protocol`` of the project.
+
+    engine thread (done callback)       on_done(req, future) -> finish(req, outcome)
+                                          claim_reply: True  -> send the reply here, at once
+                                                       False -> wake(): the I/O thread owes it
+    I/O thread                          settle(): outcomes owed (late ones: DeadlineExceeded),
+                                          then deadlines due (DeadlineExceeded, cancel if queued)
+    any thread                          ok(...), error(...): a reply of another op
+
+Invariants:
+- A reply is sent once: the result, or the error of a deadline, cancel or failure,
+  whichever comes first (``InFlight.claim_reply`` decides, under its lock); a result
+  that comes later is dropped (its result blocks given back, and the client told
+  ``inputs_done`` when its shared-memory inputs were still held).
+- Error replies carry a type of the protocol and a message, never a traceback.
+- ``send`` never blocks (``ServerSocket.send``): a client that does not read loses only
+  its own replies; result blocks of a reply not sent are given back at once.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from runtime.serving.requests import InFlight, Outcome, Request, outcome_of
+from runtime.transport.protocol import PROTOCOL_VERSION
+
+#: ``send(identity, header, frames=()) -> bool``: False when the reply could not be sent
+Send = Callable[..., bool]
+
+
+class Replies:
+    """Sends through ``send``; ``wake()`` tells the I/O thread it owes a reply (or that the
+    last request is done while ``draining``)."""
+
+    def __init__(self, send: Send, requests: InFlight, metrics: Any, cancellable: bool,
+                 wake: Callable[[], None]) -> None:
+        self._send = send
+        self._requests = requests
+        self._metrics = metrics
+        self._cancellable = cancellable  # inline engines cancel queued work; local ranks cannot
+        self._wake = wake
+        self.draining = False  # not accepting: the I/O thread wants to know when a request is done
+
+    # -- replies of any op --------------------------------------------------------------
+
+    def ok(self, identity: bytes, op: str, request_id: Any, result: Any) -> bool:
+        return self._send(identity, {"v": PROTOCOL_VERSION, "op": op, "id": request_id, "ok": True, "result": result})
+
+    def error(self, identity: bytes, op: Any, request_id: Any, kind: str, message: str, **extra: Any) -> bool:
+        return self._send(identity, {"v": PROTOCOL_VERSION, "op": op, "id": request_id, "ok": False,
+                                     "error": {"type": kind, "message": message}, **extra})
+
+    # -- a submit's outcome ---------------------------------------------------------------
+
+    def on_done(self, req: Request, future: Future) -> None:
+        """The engine future's done callback: encode and send the reply where the future
+        completed, unless a deadline answered first (then the I/O thread finishes it)."""
+        self.finish(req, outcome_of(req, future))
+
+    def finish(self, req: Request, outcome: Outcome) -> None:
+        """``req`` has its outcome (any thread): reply now, or leave it to the I/O thread."""
+        if not self._requests.claim_reply(req, outcome):
+            self._wake()
+            return
+        self._reply(req, outcome)
+        if self.draining:  # the I/O thread notices when the last one is done
+            self._wake()
+
+    def _reply(self, req: Request, outcome: Outcome) -> None:
+        """Send ``req``'s reply (any thread; the request has been claimed for it)."""
+        self._metrics.on_reply(outcome.error is None, outcome.error[0] if outcome.error else None,
+                               time.monotonic() - req.arrived)
+        if outcome.error is not None:
+            sent = self.error(req.identity, "submit", req.id, *outcome.error)
+        else:
+            sent = self._send(req.identity, {"v": PROTOCOL_VERSION, "op": "submit", "id": req.id, "ok": True,
+                                             "result": outcome.result}, outcome.frames)
+        if not sent and outcome.blocks:
+            req.client.release(outcome.blocks, mapped=False)
+
+    # -- the I/O thread -------------------------------------------------------------------
+
+    def settle(self) -> float:
+        """Send what the I/O thread owes: outcomes left to it, then deadlines due. Returns
+        the time deadlines were checked at."""
+        self._finish_completed()
+        now = time.monotonic()
+        self._expire_deadlines(now)
+        return now
+
+    def _finish_completed(self) -> None:
+        for req, outcome in self._requests.completed():
+            if outcome.late and not req.replied:
+                req.replied = True
+                self._metrics.on_reply(False, "DeadlineExceeded", time.monotonic() - req.arrived)
+                self.error(req.identity, "submit", req.id, "DeadlineExceeded",
+                           f"no result within timeout_s={req.timeout_s} (the request was still running; "
+                           "its result came too late and was dropped)")
+            if req.replied:  # a deadline answered it already
+                if outcome.blocks:
+                    req.client.release(outcome.blocks, mapped=False)
+                if req.notify_inputs:
+                    self._send(req.identity, {"v": PROTOCOL_VERSION, "op": "inputs_done", "id": req.id})
+                continue
+            req.replied = True  # (not reached: claim_reply sends every outcome that is neither late nor answered)
+            self._reply(req, outcome)
+
+    def _expire_deadlines(self, now: float) -> None:
+        for req in self._requests.expired(now):  # neither answered nor done; marked replied
+            self._metrics.on_reply(False, "DeadlineExceeded", now - req.arrived)
+            cancelled = self._cancellable and req.future.cancel()
+            req.notify_inputs = req.holds_inputs and not cancelled
+            state = "cancelled while queued" if cancelled else "still running; its result will be dropped"
+            self.error(req.identity, "submit", req.id, "DeadlineExceeded",
+                       f"no result within timeout_s={req.timeout_s} (the request was {state})",
+                       inputs_held=req.notify_inputs)

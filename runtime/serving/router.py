@@ -1,0 +1,176 @@
+"""ServerSocket: the server's ZeroMQ ROUTER, bound here and shared by the threads that reply.
+
+Imports ``runtime.transport`` (protocol, endpoints, wake pipe) of the project.
+
+    looping I/O thread:  poll(fd, wake_fd) -> read_batch() -> [(identity, [header, *tensor frames])]
+    any thread:          send(identity, header, frames)     (a reply, never blocking)
+    any thread:          wake()                             (the looping thread's poll returns)
+
+Invariants:
+- The ROUTER is used under ``_lock`` only (ZMQ sockets are not thread-safe): the looping
+  thread reads and answers there, and the thread that completes a request sends its
+  reply at once, without a hop back to the I/O thread.
+- The looping thread sleeps in ``poll`` on the socket's (edge-triggered) ``ZMQ_FD``
+  without the lock; so every sender checks ``EVENTS`` after its send: messages waiting
+  then either set ``recheck`` (the sender is the looping thread: read before sleeping)
+  or wake the looping thread.
+- Replies go out with NOBLOCK under ROUTER_MANDATORY: a peer that left or does not read
+  loses its own replies (``send`` answers False), nobody else waits. ``MAXMSGSIZE``
+  drops an oversized message and its sender's connection.
+- ``close()`` closes the socket under ``_lock`` (a later reply is dropped), terminates
+  the context, removes an ipc:// socket file, and makes ``wake()`` a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Callable
+
+import zmq
+
+from runtime.transport.endpoints import CurveKeys
+from runtime.transport.protocol import pack_header
+from runtime.transport.wake_pipe import WakePipe
+
+log = logging.getLogger("phyrt.server")
+
+#: messages read in one go; then completions and deadlines get their turn
+RECV_BATCH = 256
+# plain ints: pyzmq's enum members cost microseconds in every ``&`` and call on the hot path
+_NOBLOCK, _SNDMORE, _POLLIN = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.POLLIN)
+_EVENTS = int(zmq.EVENTS)
+
+
+class ServerSocket:
+    """A ROUTER bound on ``address`` (checked by the caller). ``looping_here()`` tells
+    whether the calling thread is the one that polls and reads the socket."""
+
+    def __init__(self, address: str, max_message_bytes: int, curve: CurveKeys | None,
+                 looping_here: Callable[[], bool]) -> None:
+        self._looping_here = looping_here
+        self._ipc = address.startswith("ipc://")
+        self._lock = threading.Lock()
+        self._ctx = zmq.Context(1)
+        self._auth: Any = None
+        self._router: Any = None
+        self._open = False
+        self._wake_pipe: WakePipe | None = None
+        self.address: str | None = None
+        self.recheck = False  # the looping thread's own send may have hidden waiting messages from poll
+        success = False
+        try:
+            self._router = self._ctx.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.LINGER, 0)
+            self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+            if curve is not None:
+                self._serve_curve(curve)
+            self._router.bind(address)
+            self.address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+            if self._ipc:
+                os.chmod(self.address[len("ipc://"):], 0o600)
+            self.fd = self._router.getsockopt(zmq.FD)
+            self._open = True
+            self._wake_pipe = WakePipe()
+            success = True
+        finally:
+            if not success:
+                self.close(0)
+
+    def _serve_curve(self, curve: CurveKeys) -> None:
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self._auth = ThreadAuthenticator(self._ctx)
+        self._auth.start()
+        self._auth.configure_curve(domain="*", location=curve.authorized_clients or zmq.auth.CURVE_ALLOW_ANY)
+        self._router.curve_secretkey = curve.secret
+        self._router.curve_publickey = curve.public
+        self._router.curve_server = True
+
+    # -- the looping thread ---------------------------------------------------------------
+
+    @property
+    def wake_fd(self) -> int:
+        """Poll it beside ``fd``; ``drain_wake()`` when it fires."""
+        return self._wake_pipe.fd
+
+    def drain_wake(self) -> None:
+        self._wake_pipe.drain()
+
+    def read_batch(self) -> tuple[list[tuple[bytes, list[Any]]], bool]:
+        """What has arrived, as (identity, [header bytes, *tensor Frames]); True if a full batch (read on)."""
+        batch: list[tuple[bytes, list[Any]]] = []
+        with self._lock:
+            if not self._open:
+                return batch, False
+            router = self._router
+            while router.getsockopt(_EVENTS) & _POLLIN:
+                identity = router.recv(_NOBLOCK, copy=False)  # a Frame knows in C whether parts follow
+                if not identity.more:
+                    continue
+                head = router.recv(copy=False)
+                frames: list[Any] = [head.bytes]
+                more = head.more
+                while more:  # the parts of a message arrive together; tensors stay Frames (no copy)
+                    frame = router.recv(copy=False)
+                    frames.append(frame)
+                    more = frame.more
+                batch.append((identity.bytes, frames))
+                if len(batch) >= RECV_BATCH:
+                    return batch, True
+        return batch, False
+
+    # -- any thread -----------------------------------------------------------------------
+
+    def send(self, identity: bytes, header: dict[str, Any], frames: Any = ()) -> bool:
+        """Send without ever blocking; False if the peer is gone or does not read its replies."""
+        data = pack_header(header)
+        sent = waiting = False
+        with self._lock:
+            if not self._open:
+                return False
+            router = self._router
+            try:
+                router.send(identity, _NOBLOCK | _SNDMORE)  # EAGAIN or EHOSTUNREACH come here, or never
+                if frames:
+                    router.send(data, _NOBLOCK | _SNDMORE)
+                    router.send_multipart(frames, _NOBLOCK, copy=False)  # below 64 KiB pyzmq copies anyway
+                else:
+                    router.send(data, _NOBLOCK)
+                sent = True
+            except zmq.Again:
+                log.debug("dropped a reply to %r: its queue is full", identity)
+            except zmq.ZMQError as exc:  # EHOSTUNREACH under ROUTER_MANDATORY: the peer left
+                log.debug("dropped a reply to %r: %s", identity, exc)
+            waiting = router.getsockopt(_EVENTS) & _POLLIN
+        if waiting:  # this send took the signal of a message that came meanwhile: pass it on
+            if self._looping_here():
+                self.recheck = True
+            else:
+                self.wake()
+        return sent
+
+    def wake(self) -> None:
+        """Make the looping thread's ``poll`` return (a no-op once closed)."""
+        self._wake_pipe.wake()
+
+    def close(self, linger_ms: int) -> None:
+        """Close the socket (``linger_ms`` for the last replies to reach their clients), the
+        authenticator and the context; remove an ipc:// socket file. Idempotent."""
+        with self._lock:  # a completion that comes later finds the socket closed, and drops its reply
+            self._open = False
+            if self._router is not None and not self._router.closed:
+                self._router.close(linger=linger_ms)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        self._ctx.term()
+        if self._ipc and self.address is not None:
+            try:  # libzmq removes its socket file; make sure, so a restart can bind the path again
+                os.unlink(self.address[len("ipc://"):])
+            except FileNotFoundError:
+                pass
+        if self._wake_pipe is not None:  # a late callback's wake-up is a no-op from now on
+            self._wake_pipe.close()
