@@ -27,9 +27,8 @@ class RankState:
     last_beat: float = 0.0  # enforced once the rank is ready; startup_timeout_s covers the start
     ready: bool = False
     decoder: Any = None  # the wire decoder for this rank's answers (results map to its arena)
-    # under the supervisor's _process_lock: whether a reaper (or close()) owns stopping the
-    # process, and whether it was reaped and closed (``process`` is a ReapedProcess then)
-    claimed: bool = False
+    # under ``Reaping.lock``: whether its group's reaper released it (``process`` is a
+    # ReapedProcess then, its pipes closed)
     closed: bool = False
 
 
@@ -40,7 +39,7 @@ class ReapedProcess:
 
     pid: int
     name: str
-    exitcode: int
+    exitcode: int | None  # None: reaped by a wait outside multiprocessing, or still running after SIGKILL
 
     def is_alive(self) -> bool:
         return False
@@ -74,7 +73,7 @@ class GroupState:
     pending: dict[int, PendingRequest] = field(default_factory=dict)
     failed: str | None = None
     frees: collections.deque = field(default_factory=collections.deque)
-    inboxes: list = field(default_factory=list)  # one PUSH per rank, used under _submit_lock
+    inboxes: list = field(default_factory=list)  # one PUSH per rank, used under the channel's lock
     # idle (LockedArena, wire.TensorEncoder) pairs for submits to reuse (list.pop and append are atomic)
     encoders: list = field(default_factory=list)
     # (the request arena is closed, its names unlinked, as soon as the group fails)

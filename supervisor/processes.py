@@ -1,7 +1,7 @@
 """The rank processes as the operating system sees them: the thread they are started
-from, how one died, how to stop a group (SIGTERM, a grace, SIGKILL), whether a
-rendezvous port is free, and the removal of run directories whose engine process no
-longer exists.
+from, how one died (read without reaping it), how to stop a group (SIGTERM, a grace,
+SIGKILL), whether a rendezvous port is free, and the removal of run directories whose
+engine process no longer exists.
 
 Why ranks are started from a ``SpawnThread``: a rank must die within moments of its
 engine's SIGKILL whatever it is doing, a long C call that holds the GIL included, so
@@ -20,7 +20,9 @@ to tell apart from the ranks; this costs one idle thread.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
+import multiprocessing
 import os
 import queue
 import re
@@ -35,13 +37,38 @@ from typing import Any, Callable
 
 #: a rank that does not exit this long after SIGTERM gets SIGKILL
 TERM_GRACE_S = 2.0
-
+#: how long a rank is waited for after SIGKILL
+KILL_WAIT_S = 5.0
+#: linux/prctl.h
+_PR_SET_PDEATHSIG = 1
+#: the exit code of a rank whose engine is gone (as ``workers.main``'s)
+ORPHAN_EXIT = 70
 
 
 def run_module_main(module: str, boot: bytes) -> None:
     """A rank process's target: ``module.main(boot)``. The supervisor names the rank's entry
-    point by module path and never imports it (the rank's code sits above the supervisor)."""
+    point by module path and never imports it (the rank's code sits above the supervisor).
+
+    The kernel's parent-death signal is armed first, before the import (torch, seconds on
+    a loaded machine): an engine SIGKILLed meanwhile takes the rank with it at once. (The
+    rank's ``main`` arms it again, with its fallback where ``prctl`` is missing.)"""
+    _arm_parent_death()
     importlib.import_module(module).main(boot)
+
+
+def _arm_parent_death() -> None:
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0),
+                   ctypes.c_ulong(0), ctypes.c_ulong(0))
+    except (OSError, AttributeError):  # no prctl: not Linux (the rank's main watches its parent)
+        return
+    if os.getppid() != parent.pid:  # the parent died before the prctl took effect
+        os._exit(ORPHAN_EXIT)
+
 
 class SpawnThread:
     """The thread that starts the ranks and outlives them (see the module docstring).
@@ -81,9 +108,28 @@ class SpawnThread:
             self._thread.join(5)
 
 
-def describe_exit(process: Any) -> str:
-    process.join(0.1)
-    code = process.exitcode
+def exit_code(process: Any, wait_s: float = 0.0) -> int | None:
+    """How ``process`` ended (multiprocessing's convention: negative, killed by that signal), or
+    None while it runs, waiting up to ``wait_s`` for it to show. Looked at without reaping
+    (``WNOWAIT``): the rank's reaper stays the only thread of the supervisor that reaps it.
+    One reaped by another wait (multiprocessing's own, in any ``Process.start``) reads the
+    code that wait stored, once it has."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            info = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped already: no wait here can reap it again
+            code = process.exitcode
+        else:
+            code = None if info is None else (info.si_status if info.si_code == os.CLD_EXITED
+                                               else -info.si_status)
+        if code is not None or time.monotonic() >= deadline:
+            return code
+        # the sentinel fires as the rank closes its files, a moment before it is a zombie
+        time.sleep(0.005)
+
+
+def describe_exit(code: int | None) -> str:
     if code is None:
         return "stopped answering"
     if code < 0:
@@ -92,6 +138,11 @@ def describe_exit(process: Any) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+def stop_bound_s(ranks: int, polite: bool) -> float:
+    """How long ``stop_ranks`` may take for ``ranks`` processes at most."""
+    return (TERM_GRACE_S if polite else 0.0) + TERM_GRACE_S + KILL_WAIT_S * ranks
 
 
 def stop_ranks(processes: list[Any], polite: bool = False) -> None:
@@ -108,7 +159,7 @@ def stop_ranks(processes: list[Any], polite: bool = False) -> None:
     for p in processes:
         if p.is_alive():
             p.kill()
-            p.join(5)
+            p.join(KILL_WAIT_S)
 
 
 def sweep_run_dirs() -> None:

@@ -1,0 +1,139 @@
+"""Spawn and boot: start every rank of every replica, and the handshake that ends the start.
+
+    supervisor                                         rank process (workers.main.main(boot))
+    bind the rank's inbox PUSH ipc://RUN/in-R-r
+    SpawnThread: Process(spawn).start(boot msgpack) -> prctl(PDEATHSIG); connect ctl DEALER
+                                                       "c-R-r", hb DEALER "h-R-r", inbox PULL;
+                                                       process group, plugin build
+    ctl ROUTER (the reader) <------------------------ "ready" {segments} | "startup_error" {error}
+    Startup.rank_ready: map the rank's result segments (so that their names can go at once);
+    once every rank is ready, unlink the request arenas' first segments; wait() returns
+
+Invariants:
+- A started process is in its group's ``ranks`` before anything else can fail (it is
+  appended right after ``start``), so the group's reaper owns it whatever happens next.
+- The start ends exactly once (``finish``): every rank ready, or the first failure (a
+  rank's startup_error, an exited rank, ``startup_timeout_s``), naming replica and rank.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+from typing import Any, Callable
+
+import msgpack
+import zmq
+
+from runtime.core.config import EngineArgs, WorkerSupervisorConfig, dtype_name
+from runtime.core.errors import ProtocolError, WorkerStartupError
+from runtime.transport import wire
+from runtime.transport.shm import ShmArena, ShmMapper
+from supervisor.groups import GroupState, RankState, ResultMapper
+from supervisor.processes import SpawnThread, check_port_free, run_module_main
+
+#: request and result arenas start this large (pre-faulted) and grow on demand
+ARENA_BYTES = 8 << 20
+#: the rank process's entry point, ``main(boot: bytes)``, by module path: the supervisor does not import it
+WORKER_MODULE = "workers.main"
+
+
+class Startup:
+    """Whether every rank reported ready, or why the start failed."""
+
+    def __init__(self, groups: list[GroupState], mapper: ShmMapper, timeout_s: float) -> None:
+        self._groups = groups
+        self._mapper = mapper
+        self._timeout_s = timeout_s
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def finish(self, error: BaseException | None) -> None:
+        if not self._event.is_set():
+            self._error = error
+            self._event.set()
+
+    def wait(self) -> None:
+        """Until every rank is ready; raise the start's failure."""
+        if not self._event.wait(self._timeout_s + 5.0):
+            raise WorkerStartupError("the supervisor's I/O thread did not finish the start")
+        if self._error is not None:
+            raise self._error
+
+    def rank_ready(self, r: RankState, segments: Any, unlink_mapped: Callable[[], None]) -> None:
+        """A rank's "ready": map its result segments now, so that their names can go at once
+        (``unlink_mapped``: before the start can end, so that the reader is done with
+        system calls, which let the waiting caller run, by then)."""
+        if not isinstance(segments, list) or not all(isinstance(x, str) for x in segments):
+            raise ProtocolError(f"'ready' needs a list of segment names, got {segments!r}")
+        for segment in segments:
+            self._mapper.view(segment, 0, 0)
+        unlink_mapped()
+        r.ready = True
+        r.last_beat = time.monotonic()  # heartbeats are enforced from here on
+        if all(x.ready for g in self._groups for x in g.ranks):
+            for g in self._groups:
+                with g.arena_lock:
+                    g.arena.unlink_all()  # every rank mapped the first segment at start
+            self.finish(None)
+
+    def check_timeout(self, started: float, now: float) -> None:
+        if not self.done and now - started > self._timeout_s:
+            slow = [f"replica {g.index} rank {r.rank}" for g in self._groups for r in g.ranks if not r.ready]
+            self.finish(WorkerStartupError(f"not ready within startup_timeout_s={self._timeout_s}: {', '.join(slow)}"))
+
+
+class Launcher:
+    """Starts the ranks of every replica into ``groups`` (from the ``SpawnThread``)."""
+
+    def __init__(self, ctx: zmq.Context, run_id: str, run_dir: str, mapper: ShmMapper,
+                 spawner: SpawnThread) -> None:
+        self._ctx, self._run_id, self._run_dir = ctx, run_id, run_dir
+        self._mapper, self._spawner = mapper, spawner
+
+    def spawn(self, groups: list[GroupState], args: EngineArgs, plugin_spec: str,
+              placement: list[tuple[int, ...]], config: WorkerSupervisorConfig, target: str,
+              worker_spin_ns: int) -> None:
+        if len(placement[0]) > 1:
+            for i in range(len(placement)):
+                check_port_free(config.base_port + i, i)
+        total = sum(len(p) for p in placement)
+        common = {
+            "run_id": self._run_id, "address": f"ipc://{self._run_dir}/ctl",
+            "heartbeats": f"ipc://{self._run_dir}/hb", "world_size": len(placement[0]), "target": target,
+            "params_dtype": dtype_name(args.config.device.params_dtype),
+            "parallel": args.config.parallel.to_dict(), "plugin": plugin_spec, "plugin_args": args.plugin_args,
+            # the engine process needs a core's share too (it encodes and copies tensors)
+            "threads": max(1, (os.cpu_count() or 1) // (total + 1)),
+            "heartbeat_interval_s": config.heartbeat_interval_s, "startup_timeout_s": config.startup_timeout_s,
+            "arena_bytes": ARENA_BYTES, "spin_ns": worker_spin_ns,
+        }
+        # CUDA tensors cross as CUDA-IPC handles; only ranks we spawned are trusted to send them
+        cuda = target == "cuda"
+        for replica, devices in enumerate(placement):
+            group = GroupState(replica, [], ShmArena(self._run_id, ARENA_BYTES))
+            groups.append(group)
+            for rank, device in enumerate(devices):
+                self._spawn_rank(group, rank, device, {**common, "port": config.base_port + replica}, cuda)
+
+    def _spawn_rank(self, group: GroupState, rank: int, device: int, common: dict[str, Any], cuda: bool) -> None:
+        replica = group.index
+        inbox = self._ctx.socket(zmq.PUSH)
+        inbox.setsockopt(zmq.LINGER, 0)
+        inbox.setsockopt(zmq.SNDHWM, 0)  # never drop, never block: HWM 0 is unbounded
+        inbox_address = f"ipc://{self._run_dir}/in-{replica}-{rank}"
+        group.inboxes.append(inbox)
+        inbox.bind(inbox_address)
+        boot = msgpack.packb({**common, "inbox": inbox_address, "replica": replica, "rank": rank, "device": device,
+                              "premap": group.arena.segments}, use_bin_type=True)
+        decoder = wire.TensorDecoder(mapper=ResultMapper(self._mapper, group, rank), allow_cuda_ipc=cuda)
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_module_main, args=(WORKER_MODULE, boot), name=f"phyrt-r{replica}-{rank}", daemon=True)
+        self._spawner.call(process.start)
+        group.ranks.append(RankState(replica, rank, device, process, decoder=decoder))  # its reaper's from here

@@ -1,0 +1,195 @@
+"""The request channel: a request goes to every inbox of its group, and its answer comes back
+to the thread that waits for it.
+
+    caller: submit(replica, request, future)
+      encode (tensors -> the group's request arena)
+      under role.lock: register pending, then send on each rank's inbox PUSH --> PULL (every rank)
+        inside expect_wait() (Engine.step): role.reserve(): this thread reads next
+        else, nobody reading: wake the watch thread (the fallback reader)
+    caller: future.result() -> role.wait(future, timeout, read)
+      the reader: poll ctl ROUTER + role.fd, AnswerReader.take/after_poll, until its future is done
+      not the reader: sleeps on the future; the reader completes it
+
+Reader role. Handing every answer from the I/O thread to the waiting caller costs a thread
+switch and a fight for the GIL per round trip, so ``runtime.transport.reader.ReaderRole``
+decides who reads the ROUTER: a caller waiting on its own future when the role is free,
+else the watch thread (``supervisor.watch``). Its ``lock`` is the submit lock too, so the
+pending requests (``answers_due``) and the holder change together. When the ranks leave
+this process a core, the reading caller polls for ``budget_ns("caller")`` before it sleeps.
+
+Invariants:
+- A request is registered as pending before it is sent, so its "done" can never arrive
+  first; its clock starts at submission (``execution_timeout_s``); a deadline earlier than
+  the watch thread's next wake-up wakes it.
+- A request goes to every rank or to none: a rank's inbox PUSH without a peer (its rank
+  died; libzmq dropped the connection) would block, so a submit to several ranks first
+  checks that every inbox can take it (POLLOUT), and every submit sends with NOBLOCK (one
+  inbox needs no check: its send goes out or raises); a rank found unreachable fails the
+  group from the caller, blamed on its exit status, its futures failed off this thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from concurrent.futures import Future
+from typing import Any, Callable
+
+import zmq
+
+from runtime.core.config import WorkerSupervisorConfig
+from runtime.core.errors import EngineUnavailableError
+from runtime.transport import wire
+from runtime.transport.reader import ReaderRole
+from runtime.transport.spin import spin
+from supervisor.answers import AnswerReader
+from supervisor.failure import Failures
+from supervisor.groups import GroupState, LockedArena, PendingRequest, free_blocks
+
+#: how long a submit waits for a rank's inbox to be connected (it is, from "ready" on,
+#: unless the rank died) before the group fails
+INBOX_GRACE_S = 2.0
+# plain ints: ``getsockopt(EVENTS) & zmq.POLLOUT`` would build an enum member on every call
+_POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
+_NOBLOCK = int(zmq.NOBLOCK)
+
+
+class ChannelFuture(Future):
+    """A local request's future: ``result()`` and ``exception()`` wait through the reader role,
+    so that the waiting thread reads its own answer when no other thread does."""
+
+    def __init__(self, role: ReaderRole, read: Callable[[Future, float | None], None]) -> None:
+        super().__init__()
+        self._role, self._read = role, read
+
+    # waits even when done: the role may be reserved for this thread (its submit said it
+    # would wait), and a future failed meanwhile must give the reservation up
+    def result(self, timeout: float | None = None) -> Any:
+        return super().result(self._wait(timeout))
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return super().exception(self._wait(timeout))
+
+    def _wait(self, timeout: float | None) -> float | None:
+        """Wait through the role; the time left of ``timeout`` for the plain wait after it."""
+        if timeout is None:
+            self._role.wait(self, None, self._read)
+            return None
+        deadline = time.monotonic() + timeout
+        self._role.wait(self, timeout, self._read)
+        return max(0.0, deadline - time.monotonic())
+
+
+class RequestChannel:
+    def __init__(self, groups: list[GroupState], role: ReaderRole, answers: AnswerReader, failures: Failures,
+                 router: zmq.Socket, config: WorkerSupervisorConfig, spin_ns: int,
+                 wake_watch: Callable[[], None]) -> None:
+        self._groups, self.role, self._answers, self._failures = groups, role, answers, failures
+        self._router, self._spin_ns, self._wake_watch = router, spin_ns, wake_watch
+        self._timeout_s = config.execution_timeout_s
+        self._poll_ms = int(config.heartbeat_interval_s * 1000) + 1
+        self._ids = itertools.count()
+        self.wake_at = 0.0  # when the watch thread next wakes by itself (monotonic; it sets this)
+
+    def new_future(self) -> ChannelFuture:
+        return ChannelFuture(self.role, self.read)
+
+    def submit(self, replica: int, request: Any, future: Future) -> None:
+        """Send ``request`` to every rank of ``replica``; ``future`` gets the output rank's answer."""
+        group = self._groups[replica]
+        if group.failed is not None:
+            raise EngineUnavailableError(f"replica {replica} is not serving: {group.failed}")
+        request_id = next(self._ids)
+        payload, placed = self._encode(group, request_id, request)
+        deadline = None if self._timeout_s is None else time.monotonic() + self._timeout_s
+        pending = PendingRequest(future, deadline, placed)
+        give_up = time.monotonic() + INBOX_GRACE_S
+        while True:
+            unreachable, sent = self._send(group, request_id, pending, payload)
+            if not unreachable:
+                return
+            # outside the lock: the watch thread may need it to fail this group meanwhile
+            wait_s = max(0.0, give_up - time.monotonic())
+            # sent to some: a peer was dropped, its rank is dying; else it may still be connecting
+            reason = self._failures.dead_rank([group.ranks[i] for i in unreachable],
+                                              wait_s if sent else min(wait_s, 0.05))
+            if reason is None and not sent and wait_s > 0:
+                continue
+            if reason is None:
+                reason = f"rank {unreachable[0]} stopped taking requests (its inbox has no connection)"
+            # futures are failed off this thread: the caller may hold locks their callbacks take
+            self._answers.fail(group, reason, defer=True)
+            if sent:
+                return  # the future is pending in the failed group: the reaper fails it
+            free_blocks(group, placed)
+            raise EngineUnavailableError(f"replica {replica} is not serving: {group.failed or reason}")
+
+    def _encode(self, group: GroupState, request_id: int, request: Any) -> tuple[Any, list[tuple[str, int]]]:
+        try:  # an idle encoder of this group; each concurrent caller makes one the first time
+            allocator, encoder = group.encoders.pop()
+        except IndexError:
+            allocator = LockedArena(group)
+            encoder = wire.TensorEncoder(allocator=allocator)
+        try:
+            payload = wire.pack_message("request", request_id, payload=request, tensor_encoder=encoder)
+        except Exception:
+            if group.failed is None:
+                raise
+            # the group failed meanwhile and its arena is closed (pack_message freed what it placed)
+            raise EngineUnavailableError(f"replica {group.index} is not serving: {group.failed}") from None
+        finally:
+            placed, allocator.placed = allocator.placed, []
+            group.encoders.append((allocator, encoder))
+        return payload, placed
+
+    def _send(self, group: GroupState, request_id: int, pending: PendingRequest,
+              payload: Any) -> tuple[list[int], bool]:
+        """Under the lock, all or nothing: ([], True) when every inbox took it; else the
+        unreachable inboxes, and whether some took it (then it stays pending in the group)."""
+        inboxes = group.inboxes
+        with self.role.lock:
+            if self.role.closed or group.failed is not None:
+                free_blocks(group, pending.blocks)
+                raise EngineUnavailableError(f"replica {group.index} is not serving: {group.failed or 'closed'}")
+            # a PUSH without a peer blocks (or, NOBLOCK, raises zmq.Again); a single inbox
+            # needs no check, as its NOBLOCK send goes out whole or not at all
+            if len(inboxes) > 1:
+                unreachable = [i for i, inbox in enumerate(inboxes) if not inbox.getsockopt(zmq.EVENTS) & _POLLOUT]
+                if unreachable:
+                    return unreachable, False
+            group.pending[request_id] = pending
+            for i, inbox in enumerate(inboxes):
+                try:
+                    inbox.send(payload, _NOBLOCK, copy=False)
+                except zmq.Again:  # its peer went (since the check): the rank just died
+                    if i == 0:  # nothing went out: as if the check had found it unreachable
+                        del group.pending[request_id]
+                    return [i], i > 0
+            # the watch thread reads when nobody else does (or sleeps past this deadline)
+            wake = pending.deadline is not None and pending.deadline < self.wake_at
+            if self.role.holder is None and not self.role.reserve():
+                wake = True
+        if wake:
+            self._wake_watch()
+        return [], True
+
+    def read(self, future: Future, deadline: float | None) -> None:
+        """As the reader (``ReaderRole.wait``): take answers until ``future`` is done, ``deadline``
+        passed or the role is closed; woken through ``role.fd`` (a failure, close)."""
+        role, router = self.role, self._router
+        items = [(router, _POLLIN), (role.fd, _POLLIN)]
+        while not future.done() and not role.closed:
+            wait_ms = self._poll_ms
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                wait_ms = min(wait_ms, int(left * 1000) + 1)
+            if self._spin_ns:  # a core to spare: look for the answer a moment before sleeping
+                spin(lambda: zmq.zmq_poll(items, 0), self._spin_ns)
+            for item, _ in zmq.zmq_poll(items, wait_ms):
+                if item is router:
+                    self._answers.take()
+                else:
+                    role.drain()
+            self._answers.after_poll()
