@@ -17,11 +17,13 @@ fixture of their own, so other test files are not affected.
 
 from __future__ import annotations
 
+import collections
 import glob
 import os
 import random
 import socket
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -82,6 +84,78 @@ def run_dirs(run_id: str) -> list[str]:
 
 def leftovers(run_id: str) -> list[str]:
     return shm_names(run_id) + run_dirs(run_id)
+
+
+def run_sockets(run_dir: str) -> dict[tuple[str, str], int]:
+    """This process's unix-socket fds under ``run_dir``: (file name, "listen" | "conn") -> count."""
+    inodes = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.append(int(target[len("socket:["):-1]))
+    paths = {}
+    with open("/proc/net/unix") as f:
+        next(f)
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 8 and parts[7].startswith(run_dir + "/"):
+                listening = int(parts[3], 16) & 0x10000  # __SO_ACCEPTCON
+                paths[int(parts[6])] = (os.path.basename(parts[7]), "listen" if listening else "conn")
+    found = collections.Counter(paths[i] for i in inodes if i in paths)
+    return dict(found)
+
+
+def inbox_connected(engine: Any, replica: int, rank: int) -> bool:
+    """Whether this process still holds a connection on the rank's inbox (ipc RUN_DIR/in-REPLICA-RANK,
+    bound here, connected to by the rank): libzmq drops it once it sees the rank's end close."""
+    return run_sockets(supervisor_of(engine).run_dir).get((f"in-{replica}-{rank}", "conn"), 0) > 0
+
+
+#: Linux x86_64 / aarch64 syscall numbers of a thread asleep in poll (zmq_poll) and in futex (a lock)
+_POLL_SYSCALLS = {"x86_64": {7, 271}, "aarch64": {73}}.get(os.uname().machine, set())
+
+
+def polls(thread: threading.Thread) -> bool:
+    """Whether ``thread`` sleeps in poll(2) now (as a caller reading a socket does), not in a lock
+    or a condition (futex), as /proc/self/task/TID/syscall shows."""
+    try:
+        with open(f"/proc/self/task/{thread.native_id}/syscall") as f:
+            number = f.read().split()[0]
+    except (OSError, IndexError):
+        return False
+    return number.isdigit() and int(number) in _POLL_SYSCALLS
+
+
+class WatchedLock:
+    """A lock that records (``contended``) when a thread had to wait for it: put in place of a
+    lock that another thread is expected to block on while the test holds it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.contended = threading.Event()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._lock.acquire(False):
+            return True
+        if not blocking:
+            return False
+        self.contended.set()
+        return self._lock.acquire(True, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
 
 
 # --------------------------------------------------------------------------- engines

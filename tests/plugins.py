@@ -16,10 +16,18 @@ gate.set()
 log: list[Any] = []
 
 
+def touch(path: str, text: str = "") -> None:
+    """Create ``path`` (a mark a test waits for: "this request is inside the plugin now")."""
+    with open(path, "w") as f:
+        f.write(text)
+
+
 class EchoRunner:
     def execute(self, request: Any) -> Any:
         log.append(request)
         if isinstance(request, dict):
+            if request.get("mark"):
+                touch(request["mark"])
             if request.get("wait_gate"):
                 gate.wait(30)
             if "sleep" in request:
@@ -31,7 +39,8 @@ class EchoRunner:
 
 
 class Echo(Entry):
-    """Returns the request; dict keys "sleep", "wait_gate" and "raise" steer it."""
+    """Returns the request; dict keys "sleep", "wait_gate" and "raise" steer it ("mark": a file
+    created as the request starts)."""
 
     name = "echo"
 
@@ -88,7 +97,8 @@ class TPProbeRunner:
     ``request["op"]`` chooses what it does; "ranks" (a list of world ranks, default
     all) picks the ranks that misbehave in the failure ops, while the other ranks
     block in a world barrier that the misbehaving rank never joins, as real ranks
-    would when one of them leaves a collective.
+    would when one of them leaves a collective. "mark" (any op): each rank creates the
+    file ``MARK.REPLICA.RANK`` as it starts the request (``mark_files`` lists them).
     """
 
     def __init__(self, ctx) -> None:
@@ -102,6 +112,7 @@ class TPProbeRunner:
         from runtime import parallel as P
 
         op = request["op"]
+        _mark(request, self.ctx)
         me = P.rank("world")
         chosen = me in (request.get("ranks") or range(P.size("world")))
         if op == "echo":
@@ -167,6 +178,18 @@ class TPProbeRunner:
                 out["group_rank"][name].append(chunk[0])
                 out["groups"][name].append([x for x in chunk[1:] if x >= 0])
         return out
+
+
+def _mark(request: dict, ctx) -> None:
+    if request.get("mark"):
+        touch(f"{request['mark']}.{ctx.replica_index}.{ctx.rank}")
+
+
+def mark_files(mark: str) -> list[str]:
+    """The ``MARK.REPLICA.RANK`` files created so far for ``mark``, sorted."""
+    import glob
+
+    return sorted(glob.glob(glob.escape(mark) + ".*.*"))
 
 
 def _control_socket(ctx) -> Any:
@@ -250,8 +273,13 @@ def die(how: str) -> None:
         time.sleep(60)
 
 
-def _die_later(how: str, after_s: float) -> None:
+def _die_later(how: str, after_s: float, when: str | None = None) -> None:
+    """Die ``after_s`` from now or, given ``when`` (a path), ``after_s`` after that file appears."""
     def run() -> None:
+        import os
+
+        while when is not None and not os.path.exists(when):
+            time.sleep(0.005)
         time.sleep(after_s)
         die(how)
 
@@ -272,9 +300,12 @@ def _arm_reply_encoding(how: str) -> None:
     wire.pack_message = pack_message
 
 
-def _arm_request_decoding(how: str) -> None:
+def _arm_request_decoding(how: str, when: str | None = None) -> None:
     """The next request this rank decodes kills it, once its frame is decoded (shared
-    memory mapped and all) and before the plugin sees it."""
+    memory mapped and all) and before the plugin sees it; given ``when`` (a path), only
+    once that file exists (the rank waits for it there)."""
+    import os
+
     from runtime.transport import wire
 
     original = wire.unpack_message
@@ -282,15 +313,18 @@ def _arm_request_decoding(how: str) -> None:
     def unpack_message(data: Any, **kwargs: Any) -> Any:
         msg = original(data, **kwargs)
         if "request" in (kwargs.get("expected_types") or ()):
+            while when is not None and not os.path.exists(when):
+                time.sleep(0.005)
             die(how)
         return msg
 
     wire.unpack_message = unpack_message
 
 
-def _arm_arena_placement(how: str) -> None:
+def _arm_arena_placement(how: str, mark: str | None = None) -> None:
     """The next block this rank places in its result arena kills it right after the
-    placement (a large result grows the arena by a fresh, still-linked segment first)."""
+    placement (a large result grows the arena by a fresh, still-linked segment first);
+    given ``mark`` (a path), the placed block's segment name is written there first."""
     import gc
     import warnings
 
@@ -304,6 +338,8 @@ def _arm_arena_placement(how: str) -> None:
 
         def place(nbytes: int, _original=original) -> Any:
             placed = _original(nbytes)
+            if mark:
+                touch(mark, placed[0])
             die(how)
             return placed
 
@@ -332,14 +368,17 @@ class KillProbeRunner(TPProbeRunner):
 
     plugin      in execute; the others wait in a world barrier the chosen never joins
     collective  every rank loops world all_reduces of 1 MiB for up to ``for_s``; a thread
-                of the chosen rank kills it ``after_s`` into the loop, i.e. inside a collective
+                of the chosen rank kills it ``after_s`` into the loop (or ``after_s`` after
+                the file ``die_when`` appears), i.e. inside a collective
     encode      the output rank returns a ``LethalArray`` (dies while its reply is encoded);
                 a non-output rank dies while encoding its (result-less) "done"
-    decode      arms the chosen rank: it dies while decoding the NEXT request
+    decode      arms the chosen rank: it dies while decoding the NEXT request (once the
+                file ``die_when`` exists, if given)
     idle        arms a thread of the chosen rank that kills it ``after_s`` after this
                 request returned, while its serve loop waits for work
     reply_shm   arms the chosen (output) rank: the next result-arena placement kills it
-                right after it was made (large results grow the arena first)
+                right after it was made (large results grow the arena first); the placed
+                segment's name goes to the file ``placed_mark`` first, if given
 
     ``{"op": "reduce", "x": tensor}``: the world sum of ``x`` (needs every rank).
     ``{"op": "hold_gil", "s": seconds}``: keep the GIL that long in one C call (no other
@@ -352,6 +391,7 @@ class KillProbeRunner(TPProbeRunner):
         from runtime import parallel as P
 
         op = request["op"]
+        _mark(request, self.ctx)
         if op == "reduce":
             y = request["x"].clone()
             P.all_reduce(y, group="world")
@@ -370,7 +410,7 @@ class KillProbeRunner(TPProbeRunner):
             return None
         if stage == "collective":
             if chosen:
-                _die_later(how, request.get("after_s", 0.3))
+                _die_later(how, request.get("after_s", 0.3), request.get("die_when"))
             x = torch.ones(1 << 18)
             deadline = time.monotonic() + request.get("for_s", 30.0)
             while time.monotonic() < deadline:
@@ -386,7 +426,7 @@ class KillProbeRunner(TPProbeRunner):
             return {"encoded": True}
         if stage == "decode":
             if chosen:
-                _arm_request_decoding(how)
+                _arm_request_decoding(how, request.get("die_when"))
             return {"armed": list(request["ranks"]), "replica": self.ctx.replica_index}
         if stage == "idle":
             if chosen:
@@ -394,7 +434,7 @@ class KillProbeRunner(TPProbeRunner):
             return {"armed": list(request["ranks"]), "replica": self.ctx.replica_index}
         if stage == "reply_shm":
             if chosen:
-                _arm_arena_placement(how)
+                _arm_arena_placement(how, request.get("placed_mark"))
             return {"armed": list(request["ranks"]), "replica": self.ctx.replica_index}
         raise ValueError(f"unknown stage {stage!r}; stages: {STAGES}")
 

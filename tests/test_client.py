@@ -12,12 +12,14 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from runtime.client import (AsyncClient, Client, ConnectionLostError, DeadlineExceededError, InvalidRequestError,
                             OverloadedError, PluginError, ServerUnavailableError)
+from tests.conftest import polls
 from tests.test_launch import ROOT, Launched, shm_names_of, wait_until
 
 
@@ -372,14 +374,15 @@ def test_call_timeout_raises_deadline_exceeded(client):
 
 
 @pytest.mark.timeout(60)
-def test_cancel_only_a_queued_request(client):
-    running = client.submit({"sleep": 1.0})
-    time.sleep(0.3)  # the inline engine has taken it by now
+def test_cancel_only_a_queued_request(client, tmp_path):
+    mark = tmp_path / "running"
+    running = client.submit({"sleep": 1.0, "mark": str(mark)})
+    assert wait_until(mark.exists, 10)  # the inline engine runs it
     queued = client.submit({"queued": 2})
     assert client.cancel(queued) is True
     assert wait_until(queued.cancelled, 5)
     assert client.cancel(running) is False
-    assert running.result(10) == {"sleep": 1.0}
+    assert running.result(10) == {"sleep": 1.0, "mark": str(mark)}
     assert client.cancel(running) is False  # finished: nothing to cancel
 
 
@@ -496,13 +499,14 @@ def test_overloaded_beyond_max_inflight(tmp_path):
                       "--log-level", "warning", log_dir=tmp_path)
     try:
         with Client(server.address) as client:
-            slow = client.submit({"sleep": 1.0})
-            time.sleep(0.1)
+            mark = tmp_path / "running"
+            slow = client.submit({"sleep": 1.0, "mark": str(mark)})
+            assert wait_until(mark.exists, 10)  # in flight on the server
             started = time.monotonic()
             with pytest.raises(OverloadedError, match="max-inflight 1"):
                 client.call({"x": 1}, timeout=10)
             assert time.monotonic() - started < 0.9  # refused at once, not queued behind the 1 s request
-            assert slow.result(10) == {"sleep": 1.0}
+            assert slow.result(10) == {"sleep": 1.0, "mark": str(mark)}
             assert client.call({"x": 2}, timeout=10) == {"x": 2}
     finally:
         assert server.stop() == 0, server.log()
@@ -524,8 +528,9 @@ def test_server_death_fails_in_flight_requests_and_a_restart_is_reconnected(tmp_
         assert wait_until(lambda: client._session is not None and client._session.result_mapper is not None, 10)
         big = np.ones((1024, 256), np.float32)
         assert (client.call({"x": big}, timeout=30)["x"] == big).all()
-        in_flight = client.submit({"sleep": 30})
-        time.sleep(0.2)
+        running = tmp_path / "running"
+        in_flight = client.submit({"sleep": 30, "mark": str(running)})
+        assert wait_until(running.exists, 10)  # the server runs it
         first.kill()  # SIGKILL: no goodbye
         started = time.monotonic()
         with pytest.raises(ConnectionLostError, match="lost"):
@@ -662,45 +667,70 @@ def test_a_lone_caller_reads_its_own_reply(client):
 
 
 @pytest.mark.timeout(60)
-def test_a_reading_caller_that_times_out_hands_over_to_the_others(client):
+def test_a_reading_caller_that_times_out_hands_over_to_the_others(client, tmp_path):
     """The caller reading the socket gives up at its deadline; one waiting behind it still gets its reply."""
-    outcome: dict = {}
 
-    def slow() -> None:
+    def slow(mark: Path, outcome: dict) -> None:
         try:
-            client.call({"sleep": 1.0}, timeout=0.3)
+            client.call({"sleep": 1.0, "mark": str(mark)}, timeout=0.5)
         except DeadlineExceededError as exc:
-            outcome["slow"] = exc
+            outcome["slow"], outcome["slow_at"] = exc, time.monotonic()
 
-    thread = threading.Thread(target=slow)
-    thread.start()
-    time.sleep(0.05)  # it reads by now; this call queues behind the sleep on the inline engine
+    assert client.call({"warm": 1}, timeout=30) == {"warm": 1}  # connected and registered
+    for attempt in range(5):
+        time.sleep(0.05)  # the client's I/O thread, woken as the last call left the socket, settles
+        outcome: dict = {}
+        mark = tmp_path / f"slow-{attempt}"
+        thread = threading.Thread(target=slow, args=(mark, outcome))
+        thread.start()
+        # its request runs on the inline engine (the next call queues behind it), and it sleeps in
+        # poll(2): it reads the socket itself (while the I/O thread reads, a caller waits on a lock)
+        if wait_until(lambda: mark.exists() and polls(thread) and "slow" not in outcome, 0.3, 0.01):
+            break
+        thread.join(10)  # the I/O thread read for it: not the case this test is about; again
+        assert client.call({"drain": attempt}, timeout=30) == {"drain": attempt}  # after its sleep
+    else:
+        pytest.fail("in 5 attempts the slow caller never read the socket itself")
+    asked = time.monotonic()
     outcome["fast"] = client.call({"fast": 1}, timeout=30)
+    answered = time.monotonic()
     thread.join(10)
     assert isinstance(outcome.get("slow"), DeadlineExceededError)
     assert outcome["fast"] == {"fast": 1}
+    # the hand-over took place: this call was waiting when the reader gave up, and was answered after
+    assert asked < outcome["slow_at"] < answered, (asked, outcome["slow_at"], answered)
 
 
 @pytest.mark.timeout(60)
-def test_closing_the_client_fails_a_call_that_is_reading(echo):
-    client = Client(echo.address)
-    outcome: dict = {}
-
-    def call() -> None:
-        started = time.monotonic()
+def test_closing_the_client_fails_a_call_that_is_reading(echo, tmp_path):
+    def call(client: Client, mark: Path, outcome: dict) -> None:
         try:
-            client.call({"sleep": 1.5}, timeout=30)
+            client.call({"sleep": 1.5, "mark": str(mark)}, timeout=30)
         except ConnectionLostError as exc:
             outcome["error"] = exc
-        outcome["took"] = time.monotonic() - started
+        outcome["at"] = time.monotonic()
 
-    thread = threading.Thread(target=call)
-    thread.start()
-    time.sleep(0.3)  # it reads the socket by now
+    for attempt in range(5):
+        client = Client(echo.address)
+        assert client.call({"warm": 1}, timeout=30) == {"warm": 1}  # connected and registered
+        time.sleep(0.05)  # the client's I/O thread, woken as the warm-up call left the socket, settles
+        outcome: dict = {}
+        mark = tmp_path / f"running-{attempt}"
+        thread = threading.Thread(target=call, args=(client, mark, outcome))
+        thread.start()
+        # its request runs on the server (after a previous attempt's, if any), and it sleeps in poll(2):
+        # it reads the socket itself (while the I/O thread reads, a caller waits on a lock)
+        if wait_until(lambda: mark.exists() and polls(thread) and "at" not in outcome, 3.0, 0.01):
+            running = time.monotonic()
+            break
+        client.close()  # the I/O thread read for it: not the case this test is about; again
+        thread.join(10)
+    else:
+        pytest.fail("in 5 attempts the caller never read the socket itself")
     client.close()
     thread.join(10)
     assert isinstance(outcome.get("error"), ConnectionLostError), outcome
-    assert outcome["took"] < 1.2  # failed at close, not when the reply came
+    assert outcome["at"] - running < 1.2  # failed at close, not when the reply came (1.5 s after it ran)
     assert not client._io.thread.is_alive()
 
 

@@ -47,20 +47,23 @@ RANK_EXIT_BOUND_S = 2.0
 ENGINE_SCRIPT = textwrap.dedent("""
     import json, os, sys, time
     import torch
-    from tests.conftest import group_pids, start_engine, supervisor_of, tp_parallel
+    from tests.conftest import group_pids, start_engine, supervisor_of, tp_parallel, wait_until
+    from tests.plugins import mark_files
 
-    stage = sys.argv[1]
+    stage, mark = sys.argv[1], sys.argv[2]
     print(json.dumps({"engine_pid": os.getpid()}), flush=True)
     engine = start_engine("tests.plugins:KillProbe", parallel=tp_parallel(2), startup_timeout_s=120.0)
     x = torch.arange(4 << 20, dtype=torch.float32)  # 16 MiB each way: both sides' arenas grow
     assert torch.equal(engine.step({"op": "echo", "x": x}, timeout=60), x)
     if stage == "request":
-        engine.submit({"op": "sleep", "s": 120.0, "x": torch.ones(4 << 20)})
+        engine.submit({"op": "sleep", "s": 120.0, "x": torch.ones(4 << 20), "mark": mark})
     elif stage == "request_gil":
-        engine.submit({"op": "hold_gil", "s": 10.0})
-    time.sleep(0.5)  # a submitted request is inside the plugin on both ranks now
+        engine.submit({"op": "hold_gil", "s": 10.0, "mark": mark})
+    if stage.startswith("request"):  # the submitted request is inside the plugin on both ranks
+        assert wait_until(lambda: len(mark_files(mark)) == 2, 60), mark_files(mark)
     sup = supervisor_of(engine)
-    print(json.dumps({"run_id": sup.run_id, "pids": group_pids(engine, 0)}), flush=True)
+    print(json.dumps({"run_id": sup.run_id, "pids": group_pids(engine, 0),
+                      "in_plugin": len(mark_files(mark))}), flush=True)
     time.sleep(300)
 """)
 
@@ -105,11 +108,20 @@ def _shm_by(pids: set[int]) -> list[str]:
     return sorted(names)
 
 
+def _imports_torch(pid: int) -> bool:
+    """Whether the process has torch's library mapped (it is importing torch, or past that)."""
+    try:
+        return any("libtorch" in m.path for m in psutil.Process(pid).memory_maps(grouped=True))
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
 def kill_engine_at(stage: str, log: Path) -> dict[str, Any]:
     """Run the engine script up to ``stage``, SIGKILL it, and watch its tree."""
+    mark = str(log.with_suffix(".running"))
     with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, stage], cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=err, text=True)
+        proc = subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, stage, mark], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=err, text=True)
     tree: dict[int, str] = {}
     try:
         first = _read_line(proc, 60)
@@ -118,7 +130,9 @@ def kill_engine_at(stage: str, log: Path) -> dict[str, Any]:
         if stage == "startup":
             assert wait_until(lambda: list(_descendants(engine_pid).values()).count("rank") >= 2, 60), \
                 log.read_text()[-3000:]
-            time.sleep(1.0)  # spawned a second ago: importing torch, or joining the group
+            # both ranks are importing torch (or joining the group): started, not ready
+            assert wait_until(lambda: all(_imports_torch(p) for p, kind in _descendants(engine_pid).items()
+                                          if kind == "rank"), 60), log.read_text()[-3000:]
             info = None
         else:
             info = _read_line(proc, 120)
@@ -140,6 +154,7 @@ def kill_engine_at(stage: str, log: Path) -> dict[str, Any]:
         return {"stage": stage, "run_id": run_id, "engine_pid": engine_pid, "ranks": ranks, "tree": tree,
                 "ranks_gone": gone, "ranks_gone_s": ranks_gone_s, "tree_gone": tree_gone,
                 "ready_before_kill": info is not None or bool(late.strip()),
+                "ranks_in_plugin_at_kill": (info or {}).get("in_plugin", 0),
                 "shm_right_after": sorted(set(shm_names(run_id)) | set(_shm_by({engine_pid, *tree}))),
                 "run_dir_right_after": os.path.isdir(run_dir)}
     finally:
@@ -162,6 +177,7 @@ def test_ranks_exit_within_2s_of_their_engines_sigkill(stage, tmp_path):
         f"ranks {result['ranks']} alive {result['ranks_gone_s']:.1f} s after the engine's SIGKILL"
     assert result["tree_gone"], f"left of the tree: {[p for p in result['tree'] if pid_alive(p)]}"
     assert result["ready_before_kill"] == (stage != "startup")
+    assert result["ranks_in_plugin_at_kill"] == (2 if stage.startswith("request") else 0), result
 
 
 def test_the_next_start_leaves_nothing_of_the_killed_engines():
@@ -192,8 +208,9 @@ def test_an_engine_built_in_a_thread_that_ends_keeps_its_ranks():
     [engine] = built
     try:
         pids = group_pids(engine, 0)
-        time.sleep(1.0)
-        assert all(pid_alive(p) for p in pids)
+        # the thread is gone from the kernel too (a death signal tied to it has been sent by then)
+        assert wait_until(lambda: not os.path.exists(f"/proc/self/task/{thread.native_id}"), 10)
+        assert wait_until(lambda: not all(pid_alive(p) for p in pids), 0.5) is False, "a rank died with the thread"
         assert engine.step({"op": "echo", "x": 3}, timeout=60) == 3
         assert all(r.healthy for r in engine.replicas)
     finally:

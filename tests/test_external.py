@@ -233,14 +233,13 @@ def test_example_on_two_nodes_over_loopback(agents, ckpt, reference):
 
 def test_ranks_given_different_prompts_fail_on_every_rank(agents, ckpt):
     launch = start_two_nodes(agents, example_args(ckpt, [[3, 1, 4]]), example_args(ckpt, [[2, 7, 1]]))
-    seconds = launch.wait()
+    launch.wait()  # fails the test past LAUNCH_DEADLINE_S: it ends by itself, nobody hangs in a collective
     assert all(rc not in (0, None) for rc in launch.returncodes), launch.text()[-4000:]
     for node in (0, 1):
         text = launch.text(node)
         assert f"rank {node}: RequestMismatchError: rank {node}: request #0 differs between ranks: " \
                "ranks [1] have a different request fingerprint than rank 0" in text, text[-4000:]
         assert "result " not in text
-    assert seconds < LAUNCH_DEADLINE_S  # it ended by itself: nobody hangs in a collective
 
 
 # --------------------------------------------------------------------------- failure scenarios

@@ -9,8 +9,10 @@ bytes: only ``ProtocolError`` may come out, nothing else, and nothing hangs.
       the segments a client registered
     the client's decoding of replies                           decode_client
     the server's whole message handling (Server._handle        ServerHandle.feed
-      over an inline engine): every message gets a typed
-      reply, never an exception out of the I/O thread's step
+      over an inline engine): every message gets exactly one
+      typed reply (a well-formed release none: the protocol's
+      one message without a reply), never an exception out of
+      the I/O thread's step
 
 Forged references point at a live segment of the run (offsets at, past, before its end,
 misaligned, huge), at another run's live segment, at names of the run that do not exist,
@@ -38,6 +40,7 @@ from hypothesis import strategies as st
 from bench.fuzz import (DTYPES, EDGE_INTS, BadReply, FuzzContext, Inputs, ServerHandle, check_reply, decode_client,
                         decode_server, decode_supervisor, decode_worker, no_hang, run_target)
 from runtime.transport import protocol, wire
+from tests.conftest import wait_until
 
 pytestmark = [pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,9 +57,21 @@ def ctx():
     context.close()
 
 
+class CountingHandle(ServerHandle):
+    """``ServerHandle`` that also keeps every reply the server sent, in order (``sent``)."""
+
+    def __init__(self, ctx: FuzzContext) -> None:
+        self.sent: list[dict] = []
+        super().__init__(ctx)
+
+    def _capture(self, identity: bytes, header: dict, frames: Any = ()) -> bool:
+        self.sent.append(header)
+        return super()._capture(identity, header, frames)
+
+
 @pytest.fixture(scope="module")
 def handle(ctx):
-    server = ServerHandle(ctx)
+    server = CountingHandle(ctx)
     yield server
     server.settle()
     server.close()
@@ -141,6 +156,9 @@ server_messages = st.fixed_dictionaries(
                                                                                                    max_size=70),
               "pid": scalars, "blocks": st.lists(st.lists(names | scalars, max_size=3), max_size=4) | scalars,
               "target": ids, "extra": scalars})
+#: well-formed headers without tensor frames: each op's own handling is reached (a ping is answered ok)
+plain_messages = st.fixed_dictionaries({"v": st.just(1), "op": st.sampled_from(OPS), "id": st.integers(0, 2**64 - 1)},
+                                       optional={"blocks": st.just([]), "target": st.integers(0, 9)})
 reply_messages = st.fixed_dictionaries(
     {"v": st.just(1) | scalars, "op": st.sampled_from(OPS + ["inputs_done"]) | scalars, "id": ids},
     optional={"ok": st.booleans() | scalars, "result": frame_objects, "inputs_held": scalars,
@@ -217,12 +235,68 @@ def test_the_clients_reply_decoding_raises_only_protocol_error(ctx, message, fra
     run_target(decode_client, ctx, [packed(message, ctx), *frames], HANG_S)
 
 
-@settings(_HYPO, max_examples=150)
-@given(server_messages | st.binary(max_size=100), tensor_frames)
-def test_the_server_answers_every_message_with_a_typed_reply(handle, ctx, message, frames):
-    header = message if isinstance(message, bytes) else packed(message, ctx)
+def _valid_id(value: Any) -> bool:
+    """A request id as the protocol documents it: an int in [0, 2**64) or a str of 1 to 128 characters."""
+    if isinstance(value, bool):
+        return False
+    return (0 <= value < 2**64) if isinstance(value, int) else isinstance(value, str) and 0 < len(value) <= 128
+
+
+def replies_due(message: Any) -> int | None:
+    """How many replies (``inputs_done`` notes aside) the server owes ``message``: 1, or 0 for a
+    well-formed ``release`` (the protocol's one message without a reply); None when a random
+    header decodes to a release-like map (0 or 1: which one depends on decoding details)."""
+    if isinstance(message, bytes):
+        try:
+            decoded = msgpack.unpackb(message, raw=False)
+        except Exception:  # noqa: BLE001 - not even msgpack: refused with a reply
+            return 1
+        return None if isinstance(decoded, dict) and decoded.get("op") == "release" else 1
+    well_formed = (message.get("op") == "release" and message.get("v") == 1 and not isinstance(message.get("v"), bool)
+                   and _valid_id(message.get("id")) and set(message) <= {"v", "op", "id", "blocks"})
+    return 0 if well_formed else 1
+
+
+def answers(handle: CountingHandle, frames: list[bytes], due: int | None) -> list[dict]:
+    """Feed one message and let the engine finish it; the replies the server sent for it."""
+    first = len(handle.sent)
     with no_hang(HANG_S):
-        handle.feed([header, *frames])  # BadReply on a reply outside the protocol
+        handle.feed(frames)  # BadReply on a reply outside the protocol
+        handle.settle()
+    if due and b"submit" in frames[0]:  # an engine thread sends a submit's reply a moment after
+        wait_until(lambda: len(handle.sent) > first, 1.0, 0.002)  # it left the server's table
+    return [r for r in handle.sent[first:] if not (isinstance(r, dict) and r.get("op") == "inputs_done")]
+
+
+@settings(_HYPO, max_examples=150)
+@given(st.tuples(server_messages | st.binary(max_size=100), tensor_frames) | st.tuples(plain_messages, st.just([])))
+def test_the_server_answers_every_message_with_a_typed_reply(handle, ctx, message_and_frames):
+    message, frames = message_and_frames
+    header = message if isinstance(message, bytes) else packed(message, ctx)
+    due = replies_due(message)
+    replies = answers(handle, [header, *frames], due)
+    if due is None:
+        assert len(replies) <= 1, replies
+        assert all(r.get("ok") is False for r in replies), replies  # a release is answered only to refuse it
+    else:
+        assert len(replies) == due, (due, replies)
+    if isinstance(message, dict) and _valid_id(message.get("id")) and message.get("op") in OPS:
+        assert all(r.get("id") in (None, message["id"]) for r in replies), replies
+
+
+def test_every_op_gets_exactly_one_reply_and_a_release_none(handle, ctx):
+    """The counting above, on one well-formed message of each op (and a malformed release)."""
+    seeds = {"ping": {}, "info": {}, "cancel": {"target": 99}, "register": {"run_id": "", "segments": []},
+             "submit": {"payload": {"x": 1}}, "release": {"blocks": []}}
+    for i, (op, fields) in enumerate(seeds.items()):
+        message = {"v": 1, "op": op, "id": 1000 + i, **fields}
+        replies = answers(handle, [msgpack.packb(message)], replies_due(message))
+        assert len(replies) == replies_due(message) == (0 if op == "release" else 1), (op, replies)
+        assert all(r["id"] == message["id"] and r["op"] == op for r in replies), (op, replies)
+    for bad in ({"v": 1, "op": "release", "id": -1, "blocks": []}, {"v": 1, "op": "release", "id": 7, "x": 1},
+                {"v": 2, "op": "release", "id": 7}):
+        replies = answers(handle, [msgpack.packb(bad)], replies_due(bad))
+        assert len(replies) == replies_due(bad) == 1 and replies[0]["ok"] is False, (bad, replies)
 
 
 def test_the_servers_replies_to_submits_are_checked_too(handle, ctx):
@@ -230,7 +304,7 @@ def test_the_servers_replies_to_submits_are_checked_too(handle, ctx):
     for frames in Inputs(ctx, 0).frame_seeds[:2]:
         handle.feed(frames)
     handle.settle()
-    assert len(handle.server._requests) == 0
+    assert handle.server.inflight == 0
     check_reply({"v": 1, "op": "submit", "id": 1, "ok": False, "error": {"type": "PluginError", "message": "m"}})
     with pytest.raises(BadReply):
         check_reply({"v": 1, "op": "submit", "id": 1, "ok": False,

@@ -23,6 +23,7 @@ from runtime.transport import wire
 from tests import conftest
 from tests.conftest import (REAP_GRACE_S, child_pids, close_engine, leftovers, pid_alive, start_engine,
                             tp_parallel, wait_until)
+from tests.plugins import mark_files
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaks")]
 
@@ -87,22 +88,24 @@ def assert_group_gone(pids: list[int]) -> None:
 # --------------------------------------------------------------------------- a rank dies
 
 
-def test_sigkill_mid_request_fails_that_replica_within_1s_and_the_other_serves():
+def test_sigkill_mid_request_fails_that_replica_within_1s_and_the_other_serves(tmp_path):
     engine = casualties(2)
     pids = pids_by_replica(engine)
-    jobs = [submit_to(engine, {"op": "sleep", "s": 1.5}) for _ in range(4)]
+    mark = str(tmp_path / "running")
+    jobs = [submit_to(engine, {"op": "sleep", "s": 1.5, "mark": mark}) for _ in range(4)]
     assert sorted(r for _, r in jobs) == [0, 0, 1, 1]  # one running and one queued on each replica
     victim = jobs[0][1]
     other = 1 - victim
-    time.sleep(0.3)  # the first request of each replica is inside the plugin now
+    # the first request of each replica is inside the plugin on both of its ranks now
+    assert wait_until(lambda: len(mark_files(mark)) == 4, 30), mark_files(mark)
+    assert not any(future.done() for future, _ in jobs)
 
     killed_at = time.monotonic()
     os.kill(pids[victim][1], signal.SIGKILL)
     for future, replica in jobs:
-        if replica == victim:
+        if replica == victim:  # failed within 1 s of the kill (else failure_of's wait raises TimeoutError)
             exc = failure_of(future, max(0.01, killed_at + 1.0 - time.monotonic()))
             assert f"replica {victim}" in str(exc) and "rank 1" in str(exc) and "SIGKILL" in str(exc), str(exc)
-    assert time.monotonic() - killed_at < 1.0
 
     status = engine.replicas[victim]
     assert not status.healthy and "rank 1" in status.error and "SIGKILL" in status.error
@@ -195,24 +198,27 @@ def test_an_unencodable_result_is_reported_with_its_type_and_message():
 
 def test_malformed_ready_from_one_rank_fails_only_its_group():
     engine = casualties(2)
+    pids = pids_by_replica(engine)
     forged = wire.pack_message("ready", 1, segments=5)
     future, victim = submit_to(engine, {"op": "send_raw", "ranks": [1], "frames": [forged], "then_sleep": 5.0})
     exc = failure_of(future, 30)
-    time.sleep(0.5)
-    assert healthy(engine) == [1 - victim], engine.replicas
     assert "rank 1" in str(exc) and "malformed" in str(exc), str(exc)
+    assert_group_gone(pids[victim])  # the failure is handled to its end: its group is reaped
+    assert healthy(engine) == [1 - victim], engine.replicas
+    assert engine.step({"op": "pid"}, timeout=30)["replica"] == 1 - victim  # and the other one serves
 
 
 # --------------------------------------------------------------------------- heartbeats and deadlines
 
 
-def test_sigstop_is_caught_by_heartbeats():
+def test_sigstop_is_caught_by_heartbeats(tmp_path):
     # a short heartbeat timeout, with room for a loaded 2-core machine
     engine = start_engine(parallel=tp_parallel(2), heartbeat_interval_s=0.25, heartbeat_timeout_s=2.5)
     pids = [row[0] for row in engine.step({"op": "pid"}, timeout=30)["pids"]]
+    mark = str(tmp_path / "running")
     try:
-        future = engine.submit({"op": "sleep", "s": 30.0})
-        time.sleep(0.3)
+        future = engine.submit({"op": "sleep", "s": 30.0, "mark": mark})
+        assert wait_until(lambda: len(mark_files(mark)) == 2, 30), mark_files(mark)  # inside the plugin
         stopped_at = time.monotonic()
         os.kill(pids[1], signal.SIGSTOP)
         exc = failure_of(future, 15)

@@ -31,7 +31,10 @@ import pytest
 import torch
 
 from runtime import EngineUnavailableError
-from tests.conftest import close_engine, group_pids, pid_alive, start_engine, supervisor_of, wait_until
+from runtime.transport.reader import expect_wait
+from tests.conftest import (WatchedLock, close_engine, group_pids, inbox_connected, pid_alive, polls, start_engine,
+                            supervisor_of, wait_until)
+from tests.plugins import mark_files
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -85,7 +88,8 @@ def test_a_submit_racing_a_one_rank_groups_death_neither_blocks_nor_is_lost():
     sup = supervisor_of(engine)
     victim, witness = 0, 1
     [pid] = group_pids(engine, victim)
-    busy = sup._groups[witness].arena_lock
+    # the lock the I/O thread takes after completing a witness's request: watched, to see it wait
+    busy = sup._groups[witness].arena_lock = WatchedLock()
     outcome: dict[str, Any] = {}
 
     def submit() -> None:
@@ -100,11 +104,12 @@ def test_a_submit_racing_a_one_rank_groups_death_neither_blocks_nor_is_lost():
             # and this thread, holding the lock, would stall instead of the I/O thread
             stalled = submit_to(engine, witness, {"op": "sleep", "s": 0.2})
             assert wait_until(stalled.done, 30) and stalled.result()["replica"] == witness
-            time.sleep(0.5)
+            assert busy.contended.wait(10), "the I/O thread did not stall on the lock"
+            assert inbox_connected(engine, victim, 0)
             os.kill(pid, signal.SIGKILL)
             assert wait_until(lambda: not pid_alive(pid), 10)
-            time.sleep(0.5)  # libzmq has dropped the dead rank's inbox connection
-            assert engine.replicas[victim].healthy  # the stalled I/O thread has not seen the death
+            assert wait_until(lambda: not inbox_connected(engine, victim, 0), 10)  # libzmq dropped it
+            assert engine.replicas[victim].healthy, "the group failed before the submit: no race"
             caller = threading.Thread(target=submit, daemon=True)
             caller.start()
             caller.join(5)
@@ -173,35 +178,38 @@ def local_engine(**settings: Any) -> Iterator[Any]:
         close_engine(engine)
 
 
-def stall_io_thread(sup: Any) -> threading.Event:
-    """Make the supervisor's I/O thread block at its next deadline check until the returned
-    event is set (it checks every heartbeat_interval_s / 2)."""
-    release, check = threading.Event(), sup._check_deadlines
+def stall_io_thread(sup: Any) -> tuple[threading.Event, threading.Event]:
+    """Make the supervisor's I/O thread block at its next deadline check (it checks every
+    heartbeat_interval_s / 2) until the returned ``release`` is set; ``stuck`` is set once it blocks."""
+    release, stuck, check = threading.Event(), threading.Event(), sup._watch.check_deadlines
 
     def stalled(started: float) -> None:
-        if threading.get_ident() == sup._io_ident:
+        if threading.get_ident() == sup._watch.ident:
+            stuck.set()
             release.wait(60)
         check(started)
 
-    sup._check_deadlines = stalled
-    return release
+    sup._watch.check_deadlines = stalled
+    return release, stuck
 
 
 @pytest.mark.usefixtures("no_leaks")
-def test_a_caller_in_step_reads_its_own_answer_while_other_futures_are_read_for_it():
+def test_a_caller_in_step_reads_its_own_answer_while_other_futures_are_read_for_it(tmp_path):
     with local_engine(replicas=2, heartbeat_interval_s=0.1) as engine:
         sup = supervisor_of(engine)
-        release = stall_io_thread(sup)
-        time.sleep(0.3)  # the I/O thread is stuck now
+        release, stuck = stall_io_thread(sup)
+        assert stuck.wait(10), "the I/O thread did not stall"
         # step(): the caller reads the answer itself; the stalled I/O thread is not needed
         x = torch.arange(4.0)
         for _ in range(20):
             assert torch.equal(engine.step({"op": "echo", "x": x}, timeout=10), x)
         # a future nobody waits on is read by the I/O thread: it waits for it
         seen: list = []
-        future = engine.submit({"op": "pid"})
+        mark = str(tmp_path / "pid")
+        future = engine.submit({"op": "pid", "mark": mark})
         future.add_done_callback(lambda f: seen.append(f.result()["replica"]))
-        time.sleep(0.3)
+        assert wait_until(lambda: mark_files(mark), 10)  # its ranks run it, and answer a moment later:
+        time.sleep(0.2)  # the answer waits in the socket, where only a reader takes it
         assert not future.done()
         # ... unless a caller in step() reads meanwhile: it completes that future too
         assert engine.step({"op": "sleep", "s": 0.2}, timeout=10)["replica"] in (0, 1)
@@ -211,7 +219,7 @@ def test_a_caller_in_step_reads_its_own_answer_while_other_futures_are_read_for_
         futures = [engine.submit({"op": "echo", "x": x + i}) for i in range(8)]
         assert wait_until(lambda: all(f.done() for f in futures), 10)
         assert all(torch.equal(f.result(), x + i) for i, f in enumerate(futures))
-        assert sup._reader is None
+        assert sup._role.holder is None
 
 
 @pytest.mark.usefixtures("no_leaks")
@@ -219,32 +227,37 @@ def test_a_step_that_times_out_hands_the_reading_on():
     with local_engine(replicas=2) as engine:
         started = time.monotonic()
         with pytest.raises(TimeoutError, match="still running"):
-            engine.step({"op": "sleep", "s": 1.0}, timeout=0.2)
+            engine.step({"op": "sleep", "s": 1.5}, timeout=0.2)
         assert time.monotonic() - started < 0.9
-        # another request goes to the idle replica and is answered meanwhile
+        # another request goes to the idle replica and is answered meanwhile, while the late one runs
         assert engine.step({"op": "pid"}, timeout=10)["replica"] in (0, 1)
+        assert sorted(s.inflight for s in engine.replicas) == [0, 1], engine.replicas
         # the late answer is still read (by whoever reads): nothing stays in flight
         assert wait_until(lambda: all(s.inflight == 0 for s in engine.replicas), 5), engine.replicas
-        assert supervisor_of(engine)._reader is None
+        # and the reading is free: a future nobody waits on completes by itself
+        future = engine.submit({"op": "pid"})
+        assert wait_until(future.done, 5) and future.result()["replica"] in (0, 1)
 
 
 @pytest.mark.usefixtures("no_leaks")
-def test_a_rank_death_reaches_a_caller_reading_in_step_at_once():
+def test_a_rank_death_reaches_a_caller_reading_in_step_at_once(tmp_path):
     engine = start_engine(replicas=1, heartbeat_timeout_s=60.0)
     [pid] = group_pids(engine, 0)
     outcome: dict[str, Any] = {}
+    mark = str(tmp_path / "running")
 
     def call() -> None:
         try:
-            engine.step({"op": "sleep", "s": 30.0}, timeout=60)
+            engine.step({"op": "sleep", "s": 30.0, "mark": mark}, timeout=60)
         except BaseException as exc:
             outcome["error"], outcome["at"] = exc, time.monotonic()
 
     try:
         caller = threading.Thread(target=call, daemon=True)
         caller.start()
-        assert wait_until(lambda: supervisor_of(engine)._reader == caller.ident, 10)
-        time.sleep(0.2)
+        # its request runs on the rank, and the caller sleeps in poll(2): it reads the ranks' socket
+        # itself (a caller that waits for another thread to read sleeps on a lock instead)
+        assert wait_until(lambda: mark_files(mark) and polls(caller), 10), (mark_files(mark), outcome)
         killed = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         caller.join(10)
@@ -304,14 +317,15 @@ def test_a_step_whose_request_failed_before_it_waited_leaves_the_reading_to_othe
         [pid] = group_pids(engine, 0)
         # the I/O thread takes the role a moment to give result blocks of the warm-up back: a
         # submit reserves it only when it is free
-        assert wait_until(lambda: sup._reader is None and not sup._frees_waiting(), 10)
-        future = victim.submit({"op": "sleep", "s": 30.0}, lead=True)  # as Engine.step submits
-        assert sup._reader == threading.get_ident()
+        assert wait_until(lambda: sup._role.holder is None and not sup._answers.frees_waiting(), 10)
+        with expect_wait():  # as Engine.step submits
+            future = victim.submit({"op": "sleep", "s": 30.0})
+        assert sup._role.holder == threading.get_ident()
         os.kill(pid, signal.SIGKILL)
         assert wait_until(future.done, 10)  # failed before this thread waits on it
         with pytest.raises(EngineUnavailableError):
             future.result(5)
-        assert sup._reader is None
+        assert sup._role.holder is None
         # a future of the other replica that nobody waits on is read (by the I/O thread)
         other = submit_to(engine, 1, {"op": "pid"})
         assert wait_until(other.done, 10) and other.result()["replica"] == 1

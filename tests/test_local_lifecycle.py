@@ -27,6 +27,7 @@ from tests import conftest
 from tests.conftest import (child_pids, close_engine, engine_args, free_base_port, group_pids, leftovers,
                             pid_alive, run_dirs, shm_names, start_engine, supervisor_of, tp_parallel,
                             wait_until)
+from tests.plugins import mark_files
 from tests.test_kill_matrix import _inode
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaks")]
@@ -70,12 +71,14 @@ def run_engine_script(mode: str) -> tuple[subprocess.Popen, dict]:
 # --------------------------------------------------------------------------- close()
 
 
-def test_close_fails_pending_futures_is_idempotent_and_refuses_work():
+def test_close_fails_pending_futures_is_idempotent_and_refuses_work(tmp_path):
     engine = start_engine(parallel=tp_parallel(2))
     pids = group_pids(engine, 0)
-    running = engine.submit({"op": "sleep", "s": 30.0})
+    mark = str(tmp_path / "running")
+    running = engine.submit({"op": "sleep", "s": 30.0, "mark": mark})
     queued = [engine.submit({"op": "echo", "x": i}) for i in range(3)]
-    time.sleep(0.3)
+    assert wait_until(lambda: len(mark_files(mark)) == 2, 30), mark_files(mark)  # running on both ranks
+    assert not any(f.done() for f in [running] + queued)
     started = time.monotonic()
     close_engine(engine)  # also checks: ranks, run directory and segments gone
     assert time.monotonic() - started < 10
@@ -116,11 +119,11 @@ def test_close_releases_a_rank_whose_exit_code_another_thread_collected(stored):
     rank = sup._groups[0].ranks[0]
     popen = rank.process._popen
     pipe = (rank.process.sentinel, os.fstat(rank.process.sentinel).st_ino)
-    with sup._process_lock:  # the I/O thread's _dead_rank waits for this: nothing polls the rank meanwhile
+    with sup._reaping.lock:  # the I/O thread's dead_rank waits for this: nothing polls the rank meanwhile
         os.kill(rank.process.pid, signal.SIGKILL)
         _, status = os.waitpid(rank.process.pid, 0)  # reaped here; multiprocessing's own waits get ECHILD
-    assert wait_until(lambda: sup._reapers, 10), "the group did not fail"
-    reaper = sup._reapers[0]
+    assert wait_until(lambda: sup._reaping.threads, 10), "the group did not fail"
+    reaper = sup._reaping.threads[0]
 
     def store() -> None:  # as the reaping thread would, once it has the GIL back
         wait_until(lambda: not reaper.is_alive(), 0.3)
@@ -250,6 +253,7 @@ def test_an_engine_restarted_at_once_on_the_same_base_port_starts():
     base = free_base_port(1)
     _time_wait_on(base)
     states = subprocess.run(["ss", "-tan", f"sport = :{base}"], capture_output=True, text=True).stdout
+    assert "TIME-WAIT" in states, states  # the obstacle this test is about is there
     deployment = DeploymentConfig.local(devices=(0, 1), process_config=WorkerSupervisorConfig(base_port=base))
     engine = Engine(engine_args(parallel=tp_parallel(2)), deployment)
     try:

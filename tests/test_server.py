@@ -72,7 +72,6 @@ def test_ready_line_reports_the_local_topology(server):
         ("local", "2", "2", "cpu", "gloo")
     assert f["address"].startswith("ipc://")
     assert len(server.pids) >= 5  # launch and four ranks
-    assert "4 CPU ranks with gloo" in server.log() or f["backend"] == "gloo"
 
 
 @pytest.mark.timeout(120)

@@ -20,18 +20,30 @@ OBS_DIM = 4
 
 
 class HandClient:
-    """Records each submit; the test decides when and how each future ends."""
+    """Records each submit; the test decides when and how each future ends.
+
+    ``inflight_at_submit``: at each submit, how many of its futures were not done yet, the new
+    one included. A gate increments its count before it submits and decrements it only after
+    the future is done, so for a correct gate this never exceeds ``max_inflight``."""
 
     def __init__(self, refuse: BaseException | None = None) -> None:
         self.submitted: list[tuple[dict, float | None, Future]] = []
         self.refuse = refuse
+        self.inflight_at_submit: list[int] = []
+        self._lock = threading.Lock()
 
     def submit(self, payload: dict, timeout: float | None = None) -> Future:
         if self.refuse is not None:
             raise self.refuse
         future: Future = Future()
-        self.submitted.append((payload, timeout, future))
+        with self._lock:
+            self.submitted.append((payload, timeout, future))
+            self.inflight_at_submit.append(sum(not f.done() for _, _, f in self.submitted))
         return future
+
+    def pending(self) -> list[Future]:
+        with self._lock:
+            return [f for _, _, f in self.submitted if not f.done()]
 
 
 def actions_for(obs: np.ndarray) -> dict:
@@ -127,6 +139,8 @@ def test_after_close_nothing_is_taken_or_published():
 
 
 def test_offers_from_many_threads_never_exceed_max_inflight():
+    """8 threads offer at once and each answers at most the oldest pending request after its
+    offer, so the gate is kept at its limit: the requests in flight at any submit never exceed it."""
     client = HandClient()
     gate, _, _ = make(client, max_inflight=2)
     start = threading.Barrier(8)
@@ -135,19 +149,24 @@ def test_offers_from_many_threads_never_exceed_max_inflight():
         start.wait()
         for _ in range(200):
             gate.offer(np.zeros(OBS_DIM))
-            for _, _, future in list(client.submitted):
-                if not future.done():
-                    try:
-                        future.set_result(actions_for(np.zeros(OBS_DIM)))
-                    except Exception:  # another thread completed it first
-                        pass
+            for future in client.pending()[:1]:
+                try:
+                    future.set_result(actions_for(np.zeros(OBS_DIM)))
+                except Exception:  # another thread completed it first
+                    pass
 
     threads = [threading.Thread(target=offer) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert gate.counts["received"] == 1600 and balanced(gate.counts) and gate._inflight == 0
+    for future in client.pending():  # the last ones, left by the threads
+        future.set_result(actions_for(np.zeros(OBS_DIM)))
+    most = max(client.inflight_at_submit)
+    assert most <= gate.max_inflight, f"{most} requests in flight at once, max_inflight {gate.max_inflight}"
+    assert most == gate.max_inflight and gate.counts["dropped_busy"] > 0  # the limit was reached and held
+    assert gate.counts["received"] == 1600 and balanced(gate.counts) and gate.counts["submitted"] == len(client.submitted)
+    assert client.pending() == []
 
 
 @pytest.mark.parametrize("bad", [{"obs_dim": 0}, {"obs_dim": OBS_DIM, "max_inflight": 0},

@@ -1,4 +1,5 @@
-"""Runs check_cuda.py where CUDA exists; skipped on CPU-only machines (CI)."""
+"""Runs check_cuda.py where CUDA exists (skipped on CPU-only machines, CI); its own verdict
+logic (``--self-test``) runs everywhere."""
 
 import subprocess
 import sys
@@ -15,3 +16,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_cuda_path():
     out = subprocess.run([sys.executable, "tests/gpu/check_cuda.py"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_check_cuda_verdicts_are_computed():
+    """check_cuda.py's verdicts, skips and exit codes on made-up inputs (no GPU needed)."""
+    out = subprocess.run([sys.executable, "tests/gpu/check_cuda.py", "--self-test"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=110)
+    assert out.returncode == 0 and "self-test: ok" in out.stdout, out.stdout + out.stderr
