@@ -24,7 +24,6 @@ import collections
 import logging
 import os
 import re
-import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -37,7 +36,7 @@ from runtime.transport.reader import ReaderRole
 from runtime.transport.shm import ShmMapper
 from supervisor.boot import Startup
 from supervisor.failure import Failures
-from supervisor.groups import GroupState, PendingRequest, RankState
+from supervisor.groups import GroupState, PendingRequest, RankState, recv_from_rank
 
 log = logging.getLogger("phyrt.supervisor")
 
@@ -130,20 +129,11 @@ class AnswerReader:
             pass  # the rank is gone; its arena went with it
 
     def _recv(self) -> None:
-        router = self._router
         self._others_due = False
-        identity = router.recv()  # a ROUTER puts the sender's identity first, always
-        payload = last = router.recv(copy=False)  # a Frame knows whether more follow
-        count = 1
-        while last.more:  # the rest of a malformed message
-            last = router.recv(copy=False)
-            count += 1
-        peer = self._peers.get(identity)
-        if peer is None:
-            log.warning("message from an unknown peer %r dropped", identity)
+        got = recv_from_rank(self._router, self._peers, "message")
+        if got is None:
             return
-        group, r = peer
-        r.last_beat = time.monotonic()
+        group, r, payload, count = got
         if group.failed is not None:
             return
         if count != 1:

@@ -7,7 +7,9 @@ mapper whose result views give their block back when garbage-collected).
 from __future__ import annotations
 
 import collections
+import logging
 import threading
+import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -16,6 +18,8 @@ from typing import Any
 import numpy as np
 
 from runtime.transport.shm import ShmArena, ShmMapper
+
+log = logging.getLogger("phyrt.supervisor")
 
 
 @dataclass
@@ -118,3 +122,23 @@ def free_blocks(group: GroupState, blocks: list[tuple[str, int]]) -> None:
         with group.arena_lock:
             for segment, offset in blocks:
                 group.arena.free(segment, offset)
+
+
+def recv_from_rank(sock: Any, peers: dict[bytes, tuple[GroupState, RankState]],
+                   kind: str) -> tuple[GroupState, RankState, Any, int] | None:
+    """Take one message off a ROUTER the ranks' DEALERs talk to (there is one: a poll said so):
+    its sender's (group, rank), its first frame and its frame count, the sender's last sign of
+    life noted; None (logged) when the sender is unknown."""
+    identity = sock.recv()  # a ROUTER puts the sender's identity first, always
+    first = last = sock.recv(copy=False)  # a Frame knows whether more follow
+    count = 1
+    while last.more:  # the rest of a malformed message
+        last = sock.recv(copy=False)
+        count += 1
+    peer = peers.get(identity)
+    if peer is None:
+        log.warning("%s from an unknown peer %r dropped", kind, identity)
+        return None
+    group, r = peer
+    r.last_beat = time.monotonic()
+    return group, r, first, count

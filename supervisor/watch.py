@@ -37,7 +37,7 @@ from supervisor.answers import AnswerReader, answers_due
 from supervisor.boot import Startup
 from supervisor.channel import RequestChannel
 from supervisor.failure import Failures
-from supervisor.groups import GroupState, RankState
+from supervisor.groups import GroupState, RankState, recv_from_rank
 
 log = logging.getLogger("phyrt.supervisor")
 
@@ -160,17 +160,9 @@ class Watch:
         """Take every heartbeat queued on the hb ROUTER."""
         hb = self._hb
         while hb.getsockopt(zmq.EVENTS) & _POLLIN:
-            identity = hb.recv()
-            count = 0
-            more = True
-            while more:
-                more = hb.recv(copy=False).more
-                count += 1
-            peer = self._beats.get(identity)
-            if peer is None:
-                log.warning("heartbeat from an unknown peer %r dropped", identity)
+            got = recv_from_rank(hb, self._beats, "heartbeat")
+            if got is None:
                 continue
-            group, r = peer
-            r.last_beat = time.monotonic()
+            group, r, _, count = got
             if count != 1 and group.failed is None:
                 self._answers.fail(group, f"rank {r.rank} sent a malformed heartbeat: {count} frames, not 1")
