@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import re
 from concurrent.futures import Future
 from typing import Any
@@ -34,6 +33,7 @@ from runtime.core.futures import resolve
 from runtime.transport import wire
 from runtime.transport.reader import ReaderRole
 from runtime.transport.shm import ShmMapper
+from runtime.transport.shm_names import unlink_quiet
 from supervisor.boot import Startup
 from supervisor.failure import Failures
 from supervisor.groups import GroupState, PendingRequest, RankState, recv_from_rank
@@ -192,10 +192,7 @@ class AnswerReader:
         for segment in self._mapper.segments:
             if segment not in self._unlinked:
                 self._unlinked.add(segment)
-                try:
-                    os.unlink(os.path.join("/dev/shm", segment))
-                except FileNotFoundError:
-                    pass
+                unlink_quiet(segment)
 
 
 def _remote(msg: dict[str, Any]) -> RemoteError:

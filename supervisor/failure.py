@@ -26,8 +26,7 @@ import os
 import threading
 from typing import Callable
 
-from runtime.core.errors import EngineUnavailableError, WorkerStartupError
-from runtime.core.futures import resolve
+from runtime.core.errors import WorkerStartupError
 from supervisor.boot import Startup
 from supervisor.groups import GroupState, RankState
 from supervisor.processes import describe_exit, exit_code
@@ -79,8 +78,7 @@ class Failures:
             serving = group.failed is None
             if serving:
                 group.failed = CLOSED
-        for p in pending.values():
-            resolve(p.future, error=EngineUnavailableError(CLOSED))
+        fail_futures(pending, CLOSED, None)
         return serving
 
     def dead_rank(self, ranks: list[RankState], wait_s: float = 0.0) -> str | None:

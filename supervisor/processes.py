@@ -6,7 +6,7 @@ engine process no longer exists.
 Why ranks are started from a ``SpawnThread``: a rank must die within moments of its
 engine's SIGKILL whatever it is doing, a long C call that holds the GIL included, so
 the rank asks the kernel for it (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, first thing
-in ``workers.main.main``): no thread of the rank has to run. But the kernel's
+in the rank, ``run_module_main``): no thread of the rank has to run. But the kernel's
 "parent" there is the *thread* that forked the rank (multiprocessing's spawn forks
 in the thread that calls ``Process.start()``), and the signal comes when that thread
 exits, even though the engine process lives on. The engine may be built from any
@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import re
@@ -41,33 +42,49 @@ TERM_GRACE_S = 2.0
 KILL_WAIT_S = 5.0
 #: linux/prctl.h
 _PR_SET_PDEATHSIG = 1
-#: the exit code of a rank whose engine is gone (as ``workers.main``'s)
+#: the exit code of a rank whose engine is gone
 ORPHAN_EXIT = 70
 
 
 def run_module_main(module: str, boot: bytes) -> None:
     """A rank process's target: ``module.main(boot)``. The supervisor names the rank's entry
     point by module path and never imports it (the rank's code sits above the supervisor).
-
-    The kernel's parent-death signal is armed first, before the import (torch, seconds on
-    a loaded machine): an engine SIGKILLed meanwhile takes the rank with it at once. (The
-    rank's ``main`` arms it again, with its fallback where ``prctl`` is missing.)"""
-    _arm_parent_death()
+    The rank's death with its engine is armed first, before the import (torch, seconds on a
+    loaded machine): an engine SIGKILLed meanwhile takes the rank with it at once."""
+    die_with_parent()
     importlib.import_module(module).main(boot)
 
 
-def _arm_parent_death() -> None:
+def die_with_parent() -> None:
+    """Exit when the engine process dies, however it died and whatever this rank does.
+
+    ``prctl(PR_SET_PDEATHSIG, SIGKILL)``: the kernel kills this process the moment its parent
+    goes, even while its main thread holds the GIL in a long C call (a Python thread watching
+    the parent could not run then). The kernel's "parent" is the thread that forked the rank,
+    hence ``SpawnThread``. A parent that died before the ``prctl`` took effect is caught by
+    comparing ``getppid()`` with the parent's pid. Where ``prctl`` is unavailable, a thread
+    waiting on multiprocessing's parent sentinel (EOF once the parent is gone) is the fallback.
+    """
     parent = multiprocessing.parent_process()
     if parent is None:
         return
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0),
-                   ctypes.c_ulong(0), ctypes.c_ulong(0))
-    except (OSError, AttributeError):  # no prctl: not Linux (the rank's main watches its parent)
-        return
+        armed = libc.prctl(ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0),
+                           ctypes.c_ulong(0), ctypes.c_ulong(0)) == 0
+    except (OSError, AttributeError):  # no prctl: not Linux
+        armed = False
     if os.getppid() != parent.pid:  # the parent died before the prctl took effect
         os._exit(ORPHAN_EXIT)
+    if armed:
+        return
+    sentinel = parent.sentinel  # EOF once the parent is gone: only it holds the write end
+
+    def watch() -> None:
+        multiprocessing.connection.wait([sentinel])
+        os._exit(ORPHAN_EXIT)
+
+    threading.Thread(target=watch, name="phyrt-death-watch", daemon=True).start()
 
 
 class SpawnThread:

@@ -39,25 +39,15 @@ The heartbeat thread has its own socket (ZMQ sockets are not thread-safe) and
 keeps beating while the main thread is inside a forward pass (torch releases the
 GIL).
 
-Death of the engine: the first thing a rank does is ``prctl(PR_SET_PDEATHSIG,
-SIGKILL)``, so the kernel kills it the moment its parent goes, even while its main
-thread holds the GIL in a long C call (a Python thread watching the parent could
-not run then). The kernel's "parent" is the thread that forked the rank: the
-supervisor starts ranks from a thread that outlives them (``supervisor.processes.
-SpawnThread``, which says why). A parent that died before the ``prctl`` is caught by
-comparing ``getppid()`` with the parent's pid. Where ``prctl`` is unavailable, a
-thread waiting on multiprocessing's parent sentinel (EOF when the parent is gone)
-is the fallback.
+Death of the engine: the rank is started through ``supervisor.processes.run_module_main``,
+which arms the kernel's parent-death signal before this module (and torch) is imported;
+the mechanism and its fallback are described there.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import multiprocessing
-import multiprocessing.connection
 import os
-import signal
 import socket
 import sys
 import threading
@@ -76,40 +66,6 @@ from runtime.transport.spin import spin
 INLINE_LIMIT = 64 * 1024
 #: a plain int: ``getsockopt(EVENTS) & zmq.POLLIN`` would build an enum member on every call
 _POLLIN = int(zmq.POLLIN)
-
-
-#: linux/prctl.h
-PR_SET_PDEATHSIG = 1
-#: the exit code of a rank whose engine is gone
-ORPHAN_EXIT = 70
-
-
-def _die_with_parent() -> None:
-    """Exit when the engine process dies, however it died and whatever this rank does.
-
-    The kernel SIGKILLs this process when its parent (thread) goes: no thread of ours
-    has to run, so a main thread holding the GIL does not delay it.
-    """
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        armed = libc.prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0),
-                           ctypes.c_ulong(0), ctypes.c_ulong(0)) == 0
-    except (OSError, AttributeError):  # no prctl: not Linux
-        armed = False
-    if os.getppid() != parent.pid:  # the parent died before the prctl took effect
-        os._exit(ORPHAN_EXIT)
-    if armed:
-        return
-    sentinel = parent.sentinel  # EOF once the parent is gone: only it holds the write end
-
-    def watch() -> None:
-        multiprocessing.connection.wait([sentinel])
-        os._exit(ORPHAN_EXIT)
-
-    threading.Thread(target=watch, name="phyrt-death-watch", daemon=True).start()
 
 
 def _error_fields(exc: BaseException) -> dict[str, str]:
@@ -147,8 +103,8 @@ class _Heartbeat:
 
 
 def main(bootstrap: bytes) -> None:
-    """Entry point of a spawned rank; ``bootstrap`` is a msgpack map (see supervisor)."""
-    _die_with_parent()
+    """Entry point of a spawned rank (through ``supervisor.processes.run_module_main``, which has
+    armed its death with the engine); ``bootstrap`` is a msgpack map (see supervisor)."""
     boot = msgpack.unpackb(bootstrap, raw=False)
     replica, rank = boot["replica"], boot["rank"]
     ctx = zmq.Context(1)

@@ -105,7 +105,7 @@ class Connection:
 
     # -- sending ------------------------------------------------------------------------
 
-    def send(self, request_id: int | None, frames: list[Any], kick: bool = True) -> None:
+    def send(self, request_id: int | None, frames: list[Any]) -> None:
         """Queue a message (``request_id``: its future fails if it cannot go); send it now if the
         socket is free. Tensor frames view the caller's arrays: sent now, or snapshotted."""
         if len(frames) > 1:
@@ -123,8 +123,7 @@ class Connection:
                 return
             frames = [frames[0], *(bytes(frame) for frame in frames[1:])]
         self.outbox.append((request_id, frames))
-        if kick:
-            self.kick()
+        self.kick()
 
     def kick(self) -> None:
         """Send what is queued, unless another thread holds the socket: then that one sends it."""
