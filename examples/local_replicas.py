@@ -21,7 +21,8 @@ from runtime import (AttentionParallelConfig, DenseParallelConfig, DeploymentCon
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
-    parser.add_argument("--base-port", type=int, default=29500, help="replica i rendezvouses on base_port + i")
+    parser.add_argument("--base-port", type=int, default=None,
+                        help="pin replica i to 127.0.0.1:base_port + i (default: a free rendezvous)")
     opts = parser.parse_args(argv)
 
     model_args = {"obs_dim": 32, "seed": 0}

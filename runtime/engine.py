@@ -10,6 +10,9 @@ Everything that can be checked before a process starts is checked in the caller,
 in this order: the plugin resolves, ``configure(plugin_args)``,
 ``validate_parallel(parallel)``, the deployment's mode and device placement.
 
+A local deployment with ``replica_restarts`` rebuilds failed replicas in the background
+(``runtime.execution.restarts``); ``replicas`` and ``can_serve`` then report rebuilds.
+
 ``step`` submits inside ``runtime.transport.reader.expect_wait()``: the thread announces
 that it waits next, and a local replica's channel may let it read its own answer. A
 server reaches an idle inline replica through ``inline_runner()`` (see
@@ -31,6 +34,7 @@ from runtime.transport.reader import expect_wait
 
 if TYPE_CHECKING:
     from runtime.execution.inline import IdleRunner
+    from runtime.execution.restarts import RestartController, Starter
 
 __all__ = ["Engine", "ReplicaStatus"]
 
@@ -65,9 +69,17 @@ class Engine:
         self.mode = deployment.resolve_mode(self.ranks_per_replica)
         placement = deployment.placement(self.ranks_per_replica)
 
+        self._rebuild: Starter | None = None  # local mode: starts one replica anew
         executors = self._start_executors(entry_cls, placement)
         self._dispatcher = RequestDispatcher(executors)
-        self._finalizer = weakref.finalize(self, _close_at_exit, self._dispatcher)
+        self._restarts: RestartController | None = None
+        if self._rebuild is not None and deployment.replica_restarts > 0:
+            from runtime.execution.restarts import RestartController
+
+            self._restarts = RestartController(self._dispatcher, self._rebuild, deployment.replica_restarts,
+                                               deployment.restart_backoff_s,
+                                               deployment.process_config.startup_timeout_s)
+        self._finalizer = weakref.finalize(self, _close_at_exit, self._dispatcher, self._restarts)
 
     def _start_executors(self, entry_cls: type[Entry], placement: list[tuple[int, ...]]) -> list[ReplicaExecutor]:
         if self.mode == "inline":
@@ -81,6 +93,7 @@ class Engine:
             import msgpack
 
             from runtime.execution.multiprocess import MultiprocessExecutor
+            from runtime.execution.restarts import local_starter
             from supervisor import WorkerSupervisor
 
             try:  # the ranks decode with string map keys only, as every phyrt message
@@ -90,8 +103,11 @@ class Engine:
                     "plugin_args must be plain data (dicts with string keys, lists, strings, numbers, "
                     "bytes) to reach "
                     f"worker processes: {exc}") from None
+            target = self.args.config.device.resolve_target()
             supervisor = WorkerSupervisor(self.args, entry_cls.spec(), placement, self.deployment.process_config,
-                                          self.args.config.device.resolve_target())
+                                          target)
+            self._rebuild = local_starter(self.args, entry_cls.spec(), placement, self.deployment.process_config,
+                                          target)
             return [MultiprocessExecutor(supervisor, i, devices) for i, devices in enumerate(placement)]
         if self.mode == "external":
             from runtime.execution.external import ExternalExecutor
@@ -142,8 +158,17 @@ class Engine:
 
     @property
     def replicas(self) -> list[ReplicaStatus]:
-        """Each replica's health and in-flight count."""
+        """Each replica's health and in-flight count (and rebuilds, with ``replica_restarts``)."""
+        if self._restarts is not None:
+            return self._restarts.statuses()
         return self._dispatcher.statuses()
+
+    @property
+    def can_serve(self) -> bool:
+        """Whether some replica is healthy or being rebuilt (False once closed)."""
+        if self.closed:
+            return False
+        return any(status.healthy or status.restarting for status in self.replicas)
 
     @property
     def closed(self) -> bool:
@@ -154,7 +179,7 @@ class Engine:
         everything. Idempotent. ``timeout`` bounds the wait for a running inline
         request (None waits for it)."""
         if self._finalizer.detach() is not None:
-            self._dispatcher.close(timeout)
+            _close(self._dispatcher, self._restarts, timeout)
 
     def __enter__(self) -> "Engine":
         return self
@@ -168,5 +193,17 @@ class Engine:
                 f"replicas={self.deployment.replica_count}, ranks_per_replica={self.ranks_per_replica}, {state})")
 
 
-def _close_at_exit(dispatcher: RequestDispatcher) -> None:
-    dispatcher.close(_EXIT_TIMEOUT_S)
+def _close(dispatcher: RequestDispatcher, restarts: RestartController | None, timeout: float | None) -> None:
+    """Rebuilds stop first (none is swapped in after this), then the replicas close; a
+    rebuild's start still under way is waited for and closed."""
+    if restarts is not None:
+        restarts.stop()
+    try:
+        dispatcher.close(timeout)
+    finally:
+        if restarts is not None:
+            restarts.join()
+
+
+def _close_at_exit(dispatcher: RequestDispatcher, restarts: RestartController | None) -> None:
+    _close(dispatcher, restarts, _EXIT_TIMEOUT_S)

@@ -14,20 +14,34 @@ Then run a client in another terminal: ``python examples/client_call.py --addres
 Addresses. The default is an ipc:// socket in a fresh owner-only directory (removed
 at exit). A given ipc:// path must be in a directory of this user with mode 0700.
 tcp://HOST:PORT binds exactly HOST (127.0.0.1 when HOST is empty); any interface
-other than loopback needs CURVE keys (--curve-secret-key, --curve-public-key; make a
-pair with ``python -c "import zmq.auth; zmq.auth.create_certificates('.', 'server')"``)
-and is refused without them.
+other than loopback needs a CURVE secret key (--curve-secret-key; the public key is
+derived from it) and is refused without one. Make a pair with
+``python -c "import zmq.auth; zmq.auth.create_certificates('.', 'server')"``: it writes
+server.key (public, for the clients) and server.key_secret (for --curve-secret-key).
 
 Signals. SIGINT or SIGTERM: stop accepting (new requests get EngineUnavailable),
 let in-flight requests finish for up to --drain-timeout-s, close the engine and its
 ranks, remove the socket file and every segment, exit 0. A second signal skips the
-drain. A failure to start exits 1 with the cause on stderr (2 for bad arguments).
+drain. During the start, either signal abandons it within seconds: the ranks started
+so far are stopped, nothing is left, exit 0. Ranks never get the terminal's Ctrl-C
+themselves; this process stops them in order.
+
+Failures. A local replica whose rank fails is down (its requests fail at once with
+EngineUnavailable); --replica-restarts N rebuilds it in the background up to N times.
+When no replica can serve any more (every one failed and none is being rebuilt), the
+server logs each replica's cause, stops accepting, lets in-flight requests finish,
+cleans up as for SIGTERM and exits 3, so that a process manager restarts it;
+--keep-serving-unhealthy stays up instead, answering EngineUnavailable.
+--metrics-port also serves the probes /healthz (200 while the process serves) and
+/readyz (200 while a replica is healthy, else 503 and why).
+
+Exit status: 0 after a requested stop (SIGINT or SIGTERM, during the start or after),
+1 start-up failure (the cause on stderr), 2 bad arguments, 3 no replica can serve.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -38,99 +52,20 @@ import threading
 import time
 from typing import Any
 
+from runtime.serving.cli import build_parser
+
 log = logging.getLogger("phyrt.launch")
 
 
-class _Interrupted(Exception):
-    """SIGTERM (or SIGINT) arrived while the engine was starting."""
+#: exit statuses of main()
+EXIT_STOPPED, EXIT_START_FAILED, EXIT_BAD_ARGUMENTS, EXIT_CANNOT_SERVE = 0, 1, 2, 3
+#: how often the main thread checks that the engine can still serve
+WATCH_PERIOD_S = 0.2
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m runtime.launch", description=__doc__.split("\n\n")[0],
-        epilog="Without arguments: the 'policy' demo plugin, inline, on the CPU, on a private ipc:// socket.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    what = parser.add_argument_group("what to serve")
-    what.add_argument("--plugin", default="policy",
-                      help="a registered plugin name, an entry point, or 'package.module:EntryClass'")
-    what.add_argument("--plugin-args", type=_json, default=None, metavar="JSON",
-                      help='the plugin\'s arguments as JSON, e.g. \'{"obs_dim": 32}\'')
-    what.add_argument("--model", metavar="DIR", default=None,
-                      help='shorthand for --plugin qwen3 with {"model": DIR} added to --plugin-args')
-    where = parser.add_argument_group("where it runs")
-    where.add_argument("--devices", type=_devices, default=None, metavar="0,1,2,3",
-                       help="device entries (CUDA indices, or CPU rank slots); implies local ranks")
-    where.add_argument("--replicas", type=_positive_int, default=1,
-                       help="replicas; each gets len(devices)/replicas ranks, tensor parallel over them")
-    where.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                       help="auto: cuda when torch sees a GPU, else the CPU with gloo")
-    where.add_argument("--base-port", type=_positive_int, default=29500,
-                       help="replica i's ranks rendezvous on 127.0.0.1:base_port+i")
-    where.add_argument("--execution-timeout-s", type=_seconds, default=None,
-                       help="a local replica whose request runs longer is failed (default: no limit)")
-    where.add_argument("--heartbeat-interval-s", type=_seconds, default=0.5, help="rank heartbeat period")
-    where.add_argument("--heartbeat-timeout-s", type=_seconds, default=10.0,
-                       help="a rank silent this long fails its replica")
-    where.add_argument("--startup-timeout-s", type=_seconds, default=300.0, help="every rank must be ready by then")
-    serve = parser.add_argument_group("serving")
-    serve.add_argument("--address", default=None,
-                       help="ipc:///path/in/a/0700/dir or tcp://HOST:PORT (default: ipc:// in a new private dir)")
-    serve.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                       help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port; needs "
-                            "prometheus-client, pip install 'phyrt[serve]')")
-    serve.add_argument("--metrics-host", default="127.0.0.1", help="interface of the metrics endpoint")
-    serve.add_argument("--max-inflight", type=_positive_int, default=256,
-                       help="requests the engine may hold; beyond, requests get Overloaded at once")
-    serve.add_argument("--max-message-bytes", type=_positive_int, default=64 << 20,
-                       help="larger messages are dropped and their sender disconnected")
-    serve.add_argument("--drain-timeout-s", type=_seconds, default=10.0,
-                       help="on SIGINT/SIGTERM, how long in-flight requests may still finish")
-    serve.add_argument("--curve-secret-key", default=None, metavar="KEY_OR_FILE",
-                       help="the server's CURVE secret key (z85) or a zmq.auth .key_secret file")
-    serve.add_argument("--curve-public-key", default=None, metavar="KEY_OR_FILE",
-                       help="the server's CURVE public key (z85) or .key file (default: derived from the secret)")
-    serve.add_argument("--curve-authorized-clients", default=None, metavar="DIR",
-                       help="only clients whose public .key files are in DIR (default: any client with the "
-                            "server's public key)")
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    return parser
-
-
-def _json(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
-
-
-def _devices(text: str) -> tuple[int, ...]:
-    try:
-        devices = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated device indices like 0,1,2,3, got {text!r}") from None
-    if any(d < 0 for d in devices) or len(set(devices)) != len(devices):
-        raise argparse.ArgumentTypeError(f"device indices must be distinct and >= 0, got {text!r}")
-    return devices
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
-    return value
+class _Interrupted(BaseException):
+    """SIGTERM or SIGINT arrived while the engine was starting. A BaseException, like
+    KeyboardInterrupt, so that no ``except Exception`` on the way mistakes it for a failure."""
 
 
 # --------------------------------------------------------------------------- configuration
@@ -160,6 +95,7 @@ def build_engine_config(opts: argparse.Namespace) -> tuple[Any, Any]:
     args = EngineArgs(plugin, plugin_args, EngineConfig(device=DeviceConfig(target=opts.device), parallel=parallel))
     deployment = DeploymentConfig(
         replica_count=opts.replicas, devices=opts.devices,
+        replica_restarts=opts.replica_restarts, restart_backoff_s=opts.restart_backoff_s,
         process_config=WorkerSupervisorConfig(
             base_port=opts.base_port, execution_timeout_s=opts.execution_timeout_s,
             heartbeat_interval_s=opts.heartbeat_interval_s, heartbeat_timeout_s=opts.heartbeat_timeout_s,
@@ -199,15 +135,10 @@ def curve_keys(opts: argparse.Namespace) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the server until a signal stops it (0) or no replica can serve (3); see the module docstring."""
     opts = build_parser().parse_args(argv)
     _configure_logging(opts.log_level)
-    stop = threading.Event()
-
-    def interrupt_start(signum: int, frame: Any) -> None:
-        raise _Interrupted(signal.Signals(signum).name)
-
-    signal.signal(signal.SIGTERM, interrupt_start)
-    signal.signal(signal.SIGINT, interrupt_start)
+    _on_signals(_interrupt_start)
     private_dir = engine = server = metrics_http = None
     started = time.monotonic()
     try:
@@ -217,15 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         curve = curve_keys(opts)
         check_address(address, curve is not None)  # before minutes of start-up, not after
         args, deployment = build_engine_config(opts)
-        if _log_plan(args, deployment) == "local":
-            # Ranks spawned now inherit an ignored SIGINT (SIG_IGN survives exec; a handler
-            # does not), so that a Ctrl-C in the terminal, which signals the whole process
-            # group, reaches only this process, which then drains and stops the ranks in order.
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            log.info("Ctrl-C takes effect once the ranks are up; SIGTERM stops the start")
+        _log_plan(args, deployment)
         from runtime.engine import Engine
 
-        engine = Engine(args, deployment)
+        engine = served = Engine(args, deployment)
         from runtime.serving.server import Server
 
         topology = _topology(engine)
@@ -236,26 +162,68 @@ def main(argv: list[str] | None = None) -> int:
                         curve=curve, info={"device": topology["device"], "backend": topology["backend"]},
                         metrics=metrics)
         engine = None  # the server owns it now
-        handler = _stop_handler(server, stop)
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
+        stop = threading.Event()
+        _on_signals(_stop_handler(server, stop))
         server.start()
     except _Interrupted as exc:
-        log.info("%s while starting: stopped", exc)
+        log.info("%s while starting: stopping the start", exc)
         _cleanup(engine, server, private_dir, 0.0, metrics_http)
-        return 0
+        log.info("stopped")
+        return EXIT_STOPPED
     except Exception as exc:
+        _on_signals(_noted_while_stopping)  # the cleanup below is not to be cut short
         log.error("startup failed: %s: %s", type(exc).__name__, exc)
         log.debug("startup failure in detail", exc_info=True)
         _cleanup(engine, server, private_dir, 0.0, metrics_http)
-        return 1
+        return EXIT_START_FAILED
 
     _print_ready(server, topology, metrics_http)
-    stop.wait()
+    code = _serve_until_stopped(server, served, stop, opts.keep_serving_unhealthy)
     log.info("stopping: %d request(s) in flight, draining for up to %.1f s", server.inflight, opts.drain_timeout_s)
     _cleanup(None, server, private_dir, opts.drain_timeout_s, metrics_http)
-    log.info("stopped")
-    return 0
+    log.info("stopped" if code == EXIT_STOPPED else f"stopped: no replica could serve (exit status {code})")
+    return code
+
+
+def _serve_until_stopped(server: Any, engine: Any, stop: threading.Event, keep_serving_unhealthy: bool) -> int:
+    """Wait until a signal sets ``stop`` (0), or until ``engine`` can no longer serve (3: new
+    requests are refused from then on); with ``keep_serving_unhealthy``, only say so and wait on."""
+    serving = True
+    while not stop.wait(WATCH_PERIOD_S):
+        if engine.can_serve == serving:
+            continue
+        serving = not serving
+        if serving:
+            log.warning("a replica serves again")
+            continue
+        causes = "; ".join(f"replica {r.index}: {r.error or 'unavailable'}" for r in engine.replicas)
+        if keep_serving_unhealthy:
+            log.error("no replica can serve (%s); staying up as --keep-serving-unhealthy asks: requests get "
+                      "EngineUnavailable", causes)
+            continue
+        if stop.is_set():  # a signal came meanwhile: that stop was asked for
+            return EXIT_STOPPED
+        log.error("no replica can serve (%s); stopping with exit status %d", causes, EXIT_CANNOT_SERVE)
+        server.stop_accepting()
+        stop.set()  # a signal from now on skips the drain
+        return EXIT_CANNOT_SERVE
+    return EXIT_STOPPED
+
+
+def _on_signals(handler: Any) -> None:
+    """``handler`` for both SIGINT and SIGTERM."""
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def _interrupt_start(signum: int, frame: Any) -> None:
+    """During the start: abandon it (the main thread unwinds from wherever it waits)."""
+    _on_signals(_noted_while_stopping)  # once: the cleanup that follows must run to its end
+    raise _Interrupted(signal.Signals(signum).name)
+
+
+def _noted_while_stopping(signum: int, frame: Any) -> None:
+    log.warning("%s: already stopping", signal.Signals(signum).name)
 
 
 def _configure_logging(level: str) -> None:

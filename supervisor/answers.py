@@ -183,7 +183,7 @@ class AnswerReader:
         grace = PEER_DEATH_GRACE_S if _PEER_LOSS.search(f"{cause.remote_type}: {cause.remote_message}") else 0.0
         dead = self._failures.dead_rank([x for x in group.ranks if x is not r], grace)
         if dead is not None:
-            log.info("replica %d: %s, after its peer's death", group.index, raised)
+            log.info("replica %d: %s, after its peer's death", group.engine_replica, raised)
             self.fail(group, dead)
         else:
             self.fail(group, raised, cause)

@@ -2,12 +2,18 @@
 
     supervisor                                         rank process (workers.main.main(boot))
     bind the rank's inbox PUSH ipc://RUN/in-R-r
-    SpawnThread: Process(spawn).start(boot msgpack) -> prctl(PDEATHSIG); connect ctl DEALER
+    SpawnThread: Process(spawn).start(boot msgpack) -> prctl(PDEATHSIG), SIGINT ignored, name;
+                                                       connect ctl DEALER
                                                        "c-R-r", hb DEALER "h-R-r", inbox PULL;
                                                        process group, plugin build
     ctl ROUTER (the reader) <------------------------ "ready" {segments} | "startup_error" {error}
     Startup.rank_ready: map the rank's result segments (so that their names can go at once);
     once every rank is ready, unlink the request arenas' first segments; wait() returns
+
+Rendezvous of a replica's ranks (more than one): with ``base_port`` None, a torch
+FileStore on ``RUN/store-R``, a fresh file in this supervisor's private run directory
+(removed with it, whatever happened to the ranks), so engines never compete for a port;
+with an int, rank 0 listens on ``127.0.0.1:base_port + R``, checked free before any spawn.
 
 Invariants:
 - A started process is in its group's ``ranks`` before anything else can fail (it is
@@ -36,6 +42,8 @@ from supervisor.processes import SpawnThread, check_port_free, run_module_main
 
 #: request and result arenas start this large (pre-faulted) and grow on demand
 ARENA_BYTES = 8 << 20
+#: how often a waiting start looks at its cancel event
+CANCEL_POLL_S = 0.05
 #: the rank process's entry point, ``main(boot: bytes)``, by module path: the supervisor does not import it
 WORKER_MODULE = "workers.main"
 
@@ -43,10 +51,12 @@ WORKER_MODULE = "workers.main"
 class Startup:
     """Whether every rank reported ready, or why the start failed."""
 
-    def __init__(self, groups: list[GroupState], mapper: ShmMapper, timeout_s: float) -> None:
+    def __init__(self, groups: list[GroupState], mapper: ShmMapper, timeout_s: float,
+                 cancel: threading.Event | None = None) -> None:
         self._groups = groups
         self._mapper = mapper
         self._timeout_s = timeout_s
+        self._cancel = cancel
         self._event = threading.Event()
         self._error: BaseException | None = None
 
@@ -60,9 +70,14 @@ class Startup:
             self._event.set()
 
     def wait(self) -> None:
-        """Until every rank is ready; raise the start's failure."""
-        if not self._event.wait(self._timeout_s + 5.0):
-            raise WorkerStartupError("the supervisor's I/O thread did not finish the start")
+        """Until every rank is ready; raise the start's failure (or, once ``cancel`` is set,
+        ``WorkerStartupError`` within ``CANCEL_POLL_S``)."""
+        end = time.monotonic() + self._timeout_s + 5.0
+        while not self._event.wait(min(CANCEL_POLL_S, max(0.0, end - time.monotonic()))):
+            if self._cancel is not None and self._cancel.is_set():
+                raise WorkerStartupError("the start was cancelled")
+            if time.monotonic() >= end:
+                raise WorkerStartupError("the supervisor's I/O thread did not finish the start")
         if self._error is not None:
             raise self._error
 
@@ -85,7 +100,7 @@ class Startup:
 
     def check_timeout(self, started: float, now: float) -> None:
         if not self.done and now - started > self._timeout_s:
-            slow = [f"replica {g.index} rank {r.rank}" for g in self._groups for r in g.ranks if not r.ready]
+            slow = [f"replica {g.engine_replica} rank {r.rank}" for g in self._groups for r in g.ranks if not r.ready]
             self.finish(WorkerStartupError(f"not ready within startup_timeout_s={self._timeout_s}: {', '.join(slow)}"))
 
 
@@ -99,9 +114,11 @@ class Launcher:
 
     def spawn(self, groups: list[GroupState], args: EngineArgs, plugin_spec: str,
               placement: list[tuple[int, ...]], config: WorkerSupervisorConfig, target: str,
-              worker_spin_ns: int) -> None:
-        if len(placement[0]) > 1:
-            for i in range(len(placement)):
+              worker_spin_ns: int, first_replica: int = 0) -> None:
+        """Group i serves the engine's replica ``first_replica + i`` (its ranks' replica index,
+        name and pinned port); the group keeps the index i inside this supervisor."""
+        if len(placement[0]) > 1 and config.base_port is not None:
+            for i in range(first_replica, first_replica + len(placement)):
                 check_port_free(config.base_port + i, i)
         total = sum(len(p) for p in placement)
         common = {
@@ -117,10 +134,18 @@ class Launcher:
         # CUDA tensors cross as CUDA-IPC handles; only ranks we spawned are trusted to send them
         cuda = target == "cuda"
         for replica, devices in enumerate(placement):
-            group = GroupState(replica, [], ShmArena(self._run_id, ARENA_BYTES))
+            group = GroupState(replica, [], ShmArena(self._run_id, ARENA_BYTES), engine_replica=first_replica + replica)
             groups.append(group)
+            where = {**common, **self._rendezvous(config, replica, first_replica + replica),
+                     "replica_index": first_replica + replica}
             for rank, device in enumerate(devices):
-                self._spawn_rank(group, rank, device, {**common, "port": config.base_port + replica}, cuda)
+                self._spawn_rank(group, rank, device, where, cuda)
+
+    def _rendezvous(self, config: WorkerSupervisorConfig, replica: int, engine_replica: int) -> dict[str, Any]:
+        """Where ``replica``'s ranks meet: "port" (pinned base_port) or "store" (a file path)."""
+        if config.base_port is not None:
+            return {"port": config.base_port + engine_replica, "store": None}
+        return {"port": None, "store": os.path.join(self._run_dir, f"store-{replica}")}
 
     def _spawn_rank(self, group: GroupState, rank: int, device: int, common: dict[str, Any], cuda: bool) -> None:
         replica = group.index
@@ -134,6 +159,7 @@ class Launcher:
                               "premap": group.arena.segments}, use_bin_type=True)
         decoder = wire.TensorDecoder(mapper=ResultMapper(self._mapper, group, rank), allow_cuda_ipc=cuda)
         process = multiprocessing.get_context("spawn").Process(
-            target=run_module_main, args=(WORKER_MODULE, boot), name=f"phyrt-r{replica}-{rank}", daemon=True)
+            target=run_module_main, args=(WORKER_MODULE, boot), name=f"phyrt-r{common['replica_index']}-{rank}",
+            daemon=True)
         self._spawner.call(process.start)
         group.ranks.append(RankState(replica, rank, device, process, decoder=decoder))  # its reaper's from here

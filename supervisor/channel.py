@@ -98,7 +98,7 @@ class RequestChannel:
         """Send ``request`` to every rank of ``replica``; ``future`` gets the output rank's answer."""
         group = self._groups[replica]
         if group.failed is not None:
-            raise EngineUnavailableError(f"replica {replica} is not serving: {group.failed}")
+            raise EngineUnavailableError(f"replica {group.engine_replica} is not serving: {group.failed}")
         request_id = next(self._ids)
         payload, placed = self._encode(group, request_id, request)
         deadline = None if self._timeout_s is None else time.monotonic() + self._timeout_s
@@ -136,7 +136,7 @@ class RequestChannel:
             if group.failed is None:
                 raise
             # the group failed meanwhile and its arena is closed (pack_message freed what it placed)
-            raise EngineUnavailableError(f"replica {group.index} is not serving: {group.failed}") from None
+            raise EngineUnavailableError(f"replica {group.engine_replica} is not serving: {group.failed}") from None
         finally:
             placed, allocator.placed = allocator.placed, []
             group.encoders.append((allocator, encoder))
@@ -150,7 +150,7 @@ class RequestChannel:
         with self.role.lock:
             if self.role.closed or group.failed is not None:
                 free_blocks(group, pending.blocks)
-                raise EngineUnavailableError(f"replica {group.index} is not serving: {group.failed or 'closed'}")
+                raise EngineUnavailableError(f"replica {group.engine_replica} is not serving: {group.failed or 'closed'}")
             # a PUSH without a peer blocks (or, NOBLOCK, raises zmq.Again); a single inbox
             # needs no check, as its NOBLOCK send goes out whole or not at all
             if len(inboxes) > 1:

@@ -54,7 +54,7 @@ class Failures:
                 return
             group.failed = reason
             pending, group.pending = group.pending, {}
-        message = f"replica {group.index} failed: {reason}"
+        message = f"replica {group.engine_replica} failed: {reason}"
         log.error(message)
         with group.arena_lock:
             # no rank will read a request of this group again: its names (a growth segment
@@ -66,7 +66,7 @@ class Failures:
             self._wake_readers()  # a caller reading finds its future failed
         self._reaping.stop(group, pending, message, cause, polite=False)
         if not self._startup.done:
-            error = WorkerStartupError(f"replica {group.index} failed to start: {reason}")
+            error = WorkerStartupError(f"replica {group.engine_replica} failed to start: {reason}")
             error.__cause__ = cause
             self._startup.finish(error)
 

@@ -80,6 +80,9 @@ class GroupState:
     inboxes: list = field(default_factory=list)  # one PUSH per rank, used under the channel's lock
     # idle (LockedArena, wire.TensorEncoder) pairs for submits to reuse (list.pop and append are atomic)
     encoders: list = field(default_factory=list)
+    # the engine's index of this replica, for messages and the ranks (``index`` counts within
+    # this supervisor: a rebuilt replica is group 0 of a supervisor of its own)
+    engine_replica: int = 0
     # (the request arena is closed, its names unlinked, as soon as the group fails)
 
 

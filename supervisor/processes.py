@@ -16,6 +16,13 @@ thread of its own that does nothing else and lives until the supervisor's
 with it and the kernel SIGKILLs the ranks. A reaper process was the alternative: it
 needs no GIL either, but it is one more process to start, to keep from leaking, and
 to tell apart from the ranks; this costs one idle thread.
+
+Why ranks never see the terminal's Ctrl-C: the terminal signals its whole foreground
+process group, ranks included, but the engine process decides when its ranks stop
+(a rank gone mid-request takes its replica down). The ``SpawnThread`` blocks SIGINT
+for itself, so every rank starts with SIGINT blocked (the mask survives fork and
+exec: a Ctrl-C while the rank imports Python stays pending); ``run_module_main``
+then sets SIGINT to ignored, which drops a pending one, and unblocks it.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import multiprocessing
+from multiprocessing import resource_tracker
 import multiprocessing.connection
 import os
 import queue
@@ -42,6 +50,9 @@ TERM_GRACE_S = 2.0
 KILL_WAIT_S = 5.0
 #: linux/prctl.h
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+#: the kernel keeps 15 bytes of a thread's name (and a NUL)
+_NAME_BYTES = 15
 #: the exit code of a rank whose engine is gone
 ORPHAN_EXIT = 70
 
@@ -50,9 +61,32 @@ def run_module_main(module: str, boot: bytes) -> None:
     """A rank process's target: ``module.main(boot)``. The supervisor names the rank's entry
     point by module path and never imports it (the rank's code sits above the supervisor).
     The rank's death with its engine is armed first, before the import (torch, seconds on a
-    loaded machine): an engine SIGKILLed meanwhile takes the rank with it at once."""
+    loaded machine): an engine SIGKILLed meanwhile takes the rank with it at once. Then the
+    terminal's Ctrl-C is shut out (see the module docstring) and the process takes its
+    ``Process`` name, ``phyrt-r{replica}-{rank}``, as its kernel name (``ps -o comm``, top)."""
     die_with_parent()
+    ignore_sigint()
+    set_process_name(multiprocessing.current_process().name)
     importlib.import_module(module).main(boot)
+
+
+def ignore_sigint() -> None:
+    """Ignore SIGINT from now on (a pending one is dropped), then unblock it, so that
+    processes this rank starts do not inherit a blocked signal."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def set_process_name(name: str) -> None:
+    """Set the calling thread's kernel name (the process's name when called from its main
+    thread), cut to the kernel's 15 bytes; nothing happens where ``prctl`` is unavailable."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(ctypes.c_int(_PR_SET_NAME), ctypes.c_char_p(name.encode()[:_NAME_BYTES]), ctypes.c_ulong(0),
+                   ctypes.c_ulong(0), ctypes.c_ulong(0))
+    except (OSError, AttributeError):  # no prctl: not Linux
+        pass
 
 
 def die_with_parent() -> None:
@@ -106,6 +140,12 @@ class SpawnThread:
             if item is None:
                 return
             fn, future = item
+            # inherited by every rank started here (module docstring). multiprocessing's
+            # resource tracker, started by a process's first spawn, unblocks SIGINT in the
+            # thread that starts it, before the fork: start it first, then block (each call)
+            if hasattr(signal, "pthread_sigmask"):
+                resource_tracker.ensure_running()
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             try:
                 future.set_result(fn())
             except BaseException as exc:
@@ -199,7 +239,8 @@ def sweep_run_dirs() -> None:
 
 
 def check_port_free(port: int, replica: int) -> None:
-    """Raise ValueError when rank 0 of ``replica`` could not listen on ``port``.
+    """Raise ValueError when rank 0 of ``replica`` could not listen on ``port`` (a pinned
+    ``base_port``; a free rendezvous needs no port).
 
     SO_REUSEADDR, as the rank's own listener sets it: connections of a previous engine
     in TIME_WAIT on the port (for a minute after it closed) are no obstacle; a listener is.
@@ -211,5 +252,6 @@ def check_port_free(port: int, replica: int) -> None:
         except OSError as exc:
             raise ValueError(
                 f"rendezvous port {port} of replica {replica} (base_port + {replica}) is taken: {exc}; "
-                "set WorkerSupervisorConfig(base_port=...) to a free range"
+                "pass base_port=None (the default) for a free rendezvous, or set "
+                "WorkerSupervisorConfig(base_port=...) to a free range"
             ) from None

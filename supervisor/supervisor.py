@@ -34,6 +34,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from concurrent.futures import Future
 from typing import Any
 
@@ -60,8 +61,13 @@ class WorkerSupervisor:
     """Owns the rank processes, the run directory, the sockets and the arenas."""
 
     def __init__(self, args: EngineArgs, plugin_spec: str, placement: list[tuple[int, ...]],
-                 config: WorkerSupervisorConfig, target: str) -> None:
+                 config: WorkerSupervisorConfig, target: str, *, first_replica: int = 0,
+                 cancel: threading.Event | None = None) -> None:
+        """Start the ranks of ``placement`` (one device tuple per replica) and wait until all are
+        ready. Group i serves the engine's replica ``first_replica + i`` (a rebuilt replica is a
+        supervisor of its own); setting ``cancel`` abandons the start (WorkerStartupError)."""
         self.config = config
+        self._first_replica = first_replica
         self._closed = False
         sweep_stale()  # segments of runs whose processes were all killed
         sweep_run_dirs()
@@ -77,7 +83,7 @@ class WorkerSupervisor:
         self._groups: list[GroupState] = []
         self._mapper = ShmMapper(self.run_id)
         self._wakeup = WakePipe()  # wakes the watch thread
-        self._startup = Startup(self._groups, self._mapper, config.startup_timeout_s)
+        self._startup = Startup(self._groups, self._mapper, config.startup_timeout_s, cancel)
         self._role = ReaderRole(lambda: answers_due(self._groups, self._startup), self._wakeup.wake)
         self._reaping = Reaping(self.run_id, self._role.wake)
         self._failures = Failures(self._role.lock, self._reaping, self._startup, self._role.wake)
@@ -99,7 +105,8 @@ class WorkerSupervisor:
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         hb = self._socket(zmq.ROUTER, f"ipc://{self.run_dir}/hb")
         Launcher(self._ctx, self.run_id, self.run_dir, self._mapper, self._spawner).spawn(
-            self._groups, args, plugin_spec, placement, self.config, target, self.worker_spin_ns)
+            self._groups, args, plugin_spec, placement, self.config, target, self.worker_spin_ns,
+            self._first_replica)
         self._answers = AnswerReader(router, self._groups, self._role, self._failures, self._startup, self._mapper)
         self._channel = RequestChannel(self._groups, self._role, self._answers, self._failures, router,
                                        self.config, caller_spin_ns, self._wakeup.wake)

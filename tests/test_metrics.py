@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import socket
 import threading
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
@@ -145,6 +146,81 @@ def test_bad_arguments_and_null_recorder():
     null.observe_replicas([Status(0, True, 0)])
     text = ServerMetrics().render().decode()
     assert "phyrt_requests_total" in text and "phyrt_replicas_healthy 0.0" in text
+
+
+def fetch(url: str, method: str = "GET") -> tuple[int, str]:
+    """(status, body) of one request; an error status is returned, not raised."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=10) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, exc.read().decode()
+
+
+@dataclass(frozen=True)
+class RebuiltStatus:  # ReplicaStatus with the fields of replica restarts
+    index: int
+    healthy: bool
+    inflight: int
+    restarts: int = 0
+    restarting: bool = False
+    error: str | None = None
+
+
+@pytest.mark.timeout(30)
+def test_probes_say_live_ready_and_why_not():
+    statuses: list = [RebuiltStatus(0, True, 0), RebuiltStatus(1, False, 0, error="rank 1 exited with code -9")]
+    with start_metrics_server(0, metrics=ServerMetrics(replicas=lambda: statuses)) as server:
+        base = f"http://127.0.0.1:{server.port}"
+        assert fetch(base + "/healthz") == (200, "ok\n")
+        code, body = fetch(base + "/readyz")
+        assert code == 200 and body.startswith("ready")
+        assert "replica 1: down (rank 1 exited with code -9)" in body  # a degraded server says so
+        statuses[:] = [RebuiltStatus(0, False, 0, restarts=2, restarting=True, error="rank 0 missed heartbeats"),
+                       {"index": 1, "healthy": False, "inflight": 0, "error": "rank 1 exited with code -9"}]
+        code, body = fetch(base + "/readyz")
+        assert code == 503
+        assert "replica 0: being rebuilt (rank 0 missed heartbeats)" in body
+        assert "replica 1: down (rank 1 exited with code -9)" in body
+        assert fetch(base + "/healthz")[0] == 200  # alive while not ready
+        assert fetch(base + "/readyz", "HEAD") == (503, "")
+        assert fetch(base + "/healthz", "HEAD") == (200, "")
+        for path in ("/nope", "/", "/metricsx", "/healthz/x"):
+            assert fetch(base + path)[0] == 404, path
+        assert fetch(base + "/healthz", "POST")[0] == 405
+        assert fetch(base + "/metrics")[0] == 200
+        statuses[:] = []
+        assert fetch(base + "/readyz") == (503, "not ready: no replica\n")
+        statuses[:] = [RebuiltStatus(0, True, 0, restarts=1)]
+        assert fetch(base + "/readyz")[0] == 200  # rebuilt: ready again
+
+
+@pytest.mark.timeout(30)
+def test_readyz_is_503_when_the_replicas_cannot_be_read():
+    def broken() -> list:
+        raise RuntimeError("engine gone")
+
+    with start_metrics_server(0, metrics=ServerMetrics(replicas=broken)) as server:
+        code, body = fetch(f"http://127.0.0.1:{server.port}/readyz")
+        assert code == 503 and "engine gone" in body
+        assert fetch(f"http://127.0.0.1:{server.port}/healthz")[0] == 200
+
+
+@pytest.mark.timeout(30)
+def test_restart_gauges_follow_the_replicas(served):
+    m = served.metrics
+    m.observe_replicas([RebuiltStatus(0, False, 0, restarts=3, restarting=True), RebuiltStatus(1, True, 2)])
+    got = scrape(served.url)
+    assert got[("phyrt_replica_restarts", (("replica", "0"),))] == 3
+    assert got[("phyrt_replica_restarting", (("replica", "0"),))] == 1
+    assert got[("phyrt_replica_restarts", (("replica", "1"),))] == 0
+    assert got[("phyrt_replica_restarting", (("replica", "1"),))] == 0
+    m.observe_replicas([Status(0, True, 0), {"index": 1, "healthy": True, "inflight": 0}])  # no restart fields
+    got = scrape(served.url)
+    assert got[("phyrt_replica_restarts", (("replica", "0"),))] == 0
+    assert got[("phyrt_replica_restarting", (("replica", "1"),))] == 0
+    assert fetch(f"http://127.0.0.1:{served.port}/readyz")[0] == 200
 
 
 def _first(*places: tuple[str, str]):

@@ -20,6 +20,10 @@
     CURVE with a wrong key refused            a client unknown to the server's       a plain client is
                                               authorized keys, and one with the     refused
                                               wrong server key, get no service
+    a refused CURVE handshake is named        no keys, a wrong server key, an        -
+                                              unknown client key: HandshakeError
+                                              (a ConnectionLostError) with the
+                                              cause, in under a second
     oversized message refused                 its sender loses its connection (a     5 oversized sends in
                                               typed ConnectionLostError) and gets    test_server's fuzz
                                               service again; other clients' calls
@@ -55,8 +59,8 @@ import zmq
 
 from runtime import EngineUnavailableError, ProtocolError
 from runtime.transport import protocol, wire
-from runtime.client import (Client, ConnectionLostError, DeadlineExceededError, PluginError,
-                            ServerError, ServerUnavailableError)
+from runtime.client import (AsyncClient, Client, ConnectionLostError, DeadlineExceededError, HandshakeError,
+                            PluginError, ServerError, ServerUnavailableError)
 from runtime.transport.endpoints import check_address
 from tests.conftest import close_engine, start_engine, supervisor_of, tp_parallel, wait_until
 from tests.test_launch import ROOT, Launched, free_port
@@ -469,3 +473,102 @@ def test_no_client_visible_error_of_local_replicas_carries_a_traceback(tmp_path)
     finally:
         assert server.stop() == 0, server.log()
     assert_no_traceback(messages)
+
+
+# --------------------------------------------------------------------------- a refused CURVE handshake
+
+#: a refused handshake is named well before a request would fail for want of heartbeats
+HANDSHAKE_BOUND_S = 5.0
+SLOW_HEARTBEATS = {"heartbeat_interval_s": 10.0, "heartbeat_timeout_s": 60.0}
+
+
+@pytest.fixture(scope="module")
+def curve_echo(tmp_path_factory):
+    """An inline Echo server on tcp://127.0.0.1:PORT with CURVE; its keys, one authorized client's
+    keys, an unknown client's keys and a public key that is not the server's."""
+    import zmq.auth
+
+    root = tmp_path_factory.mktemp("curve")
+    dirs = {name: root / name for name in ("server", "allowed", "other")}
+    for d in dirs.values():
+        d.mkdir()
+    keys = {"server": zmq.auth.create_certificates(str(dirs["server"]), "server"),
+            "good": zmq.auth.create_certificates(str(dirs["allowed"]), "good"),
+            "unknown": zmq.auth.create_certificates(str(dirs["other"]), "unknown"),
+            "not-the-server": zmq.auth.create_certificates(str(dirs["other"]), "not-the-server")}
+    server = Launched("--plugin", "tests.plugins:Echo", "--device", "cpu", "--address",
+                      f"tcp://127.0.0.1:{free_port()}", "--curve-secret-key", keys["server"][1],
+                      "--curve-public-key", keys["server"][0], "--curve-authorized-clients", str(dirs["allowed"]),
+                      "--log-level", "warning", log_dir=root)
+    yield server, keys
+    assert server.stop() == 0, server.log()
+
+
+def _refused(client: Client, *words: str) -> HandshakeError:
+    """A call and a submit both fail quickly with a HandshakeError whose message holds ``words``."""
+    started = time.monotonic()
+    with pytest.raises(HandshakeError) as info:
+        client.call({"x": "let me in"}, timeout=30)
+    assert time.monotonic() - started < HANDSHAKE_BOUND_S
+    error = info.value
+    assert isinstance(error, ConnectionLostError) and isinstance(error, EngineUnavailableError)
+    assert client.address in str(error) and "handshake" in str(error)
+    for word in words:
+        assert word in str(error), str(error)
+    started = time.monotonic()
+    with pytest.raises(HandshakeError):  # a later request: at once, or through its future
+        client.submit({"x": "again"}).result(30)
+    assert time.monotonic() - started < HANDSHAKE_BOUND_S
+    return error
+
+
+@pytest.mark.timeout(60)
+def test_a_client_without_curve_keys_is_told_the_server_requires_curve(curve_echo):
+    server, _ = curve_echo
+    with Client(server.address, **SLOW_HEARTBEATS) as client:
+        _refused(client, "CURVE", "server_public_key")
+    with Client(server.address, **SLOW_HEARTBEATS) as client:  # caught by an old except clause too
+        started = time.monotonic()
+        try:
+            client.call({"x": 1}, timeout=30)
+        except ConnectionLostError as exc:
+            assert type(exc) is HandshakeError
+        assert time.monotonic() - started < HANDSHAKE_BOUND_S
+
+    async def through_asyncio() -> None:
+        async with AsyncClient(server.address, **SLOW_HEARTBEATS) as client:
+            with pytest.raises(HandshakeError, match="CURVE"):
+                await client.call({"x": 1}, timeout=30)
+
+    import asyncio
+    asyncio.run(asyncio.wait_for(through_asyncio(), HANDSHAKE_BOUND_S * 5))
+
+
+@pytest.mark.timeout(60)
+def test_a_client_with_the_wrong_server_key_is_told_so(curve_echo):
+    server, keys = curve_echo
+    with Client(server.address, server_public_key=keys["not-the-server"][0], secret_key=keys["good"][1],
+                **SLOW_HEARTBEATS) as client:
+        _refused(client, "CURVE", "server_public_key")
+    assert "let me in" not in server.log()
+
+
+@pytest.mark.timeout(60)
+def test_a_client_whose_key_the_server_does_not_authorize_is_told_so(curve_echo):
+    server, keys = curve_echo
+    with Client(server.address, server_public_key=keys["server"][0], public_key=keys["unknown"][0],
+                secret_key=keys["unknown"][1], **SLOW_HEARTBEATS) as client:
+        _refused(client, "authentication refused", "authorized")
+    assert "let me in" not in server.log()
+
+
+@pytest.mark.timeout(60)
+def test_a_client_with_the_right_keys_is_served_beside_refused_ones(curve_echo):
+    server, keys = curve_echo
+    good = dict(server_public_key=keys["server"][0], secret_key=keys["good"][1])
+    with Client(server.address, **good) as client, Client(server.address, **SLOW_HEARTBEATS) as refused:
+        assert client.call({"x": 1}, timeout=30) == {"x": 1}
+        with pytest.raises(HandshakeError):
+            refused.call({"x": 2}, timeout=30)
+        assert [client.submit({"x": i}) for i in range(20)][-1].result(30) == {"x": 19}
+        assert client.ping() < HANDSHAKE_BOUND_S

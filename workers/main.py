@@ -13,10 +13,13 @@ replica's process group (NCCL on cuda, gloo on cpu), build the named groups of
 Any failure on the way is sent as "startup_error" (type, message, traceback text)
 and the process exits.
 
-Rendezvous, on loopback only: rank 0 binds ``127.0.0.1:base_port + replica`` itself
-and hands the listening socket to torch's TCPStore (``master_listen_fd``; given only
-a port, TCPStore binds the wildcard address ``::``, whatever host it is told), the
-other ranks connect to it. ``GLOO_SOCKET_IFNAME=lo`` keeps gloo's own listeners (its
+Rendezvous, on this host only. By default (``base_port`` None) the replica's ranks
+share a torch FileStore on a fresh file in the supervisor's private run directory
+(boot "store"): nothing listens on a port we chose. With a pinned ``base_port``
+(boot "port"), rank 0 binds ``127.0.0.1:base_port + replica`` itself and hands the
+listening socket to torch's TCPStore (``master_listen_fd``; given only a port,
+TCPStore binds the wildcard address ``::``, whatever host it is told), the other
+ranks connect to it. Either way ``GLOO_SOCKET_IFNAME=lo`` keeps gloo's own listeners (its
 pairs; on cuda the ``cpu_group``) on loopback too, whatever the host name resolves
 to. NCCL keeps its defaults (on one host its data goes through shm/p2p; its
 bootstrap sockets follow ``NCCL_SOCKET_IFNAME``).
@@ -41,7 +44,9 @@ GIL).
 
 Death of the engine: the rank is started through ``supervisor.processes.run_module_main``,
 which arms the kernel's parent-death signal before this module (and torch) is imported;
-the mechanism and its fallback are described there.
+the mechanism and its fallback are described there. It also sets SIGINT to ignored (the
+engine, not the terminal's Ctrl-C, decides when a rank stops) and names the process
+``phyrt-r{replica}-{rank}``.
 """
 
 from __future__ import annotations
@@ -162,18 +167,17 @@ def _start(boot: dict[str, Any]):
         backend = "gloo"
     if world > 1:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's listeners on loopback (read when a group is made)
-        port = boot["port"]
         timeout = _timedelta(boot["startup_timeout_s"])
         try:
-            store = _rendezvous_store(port, rank, world, timeout)
+            store = _rendezvous_store(boot, rank, world, timeout)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         except Exception as exc:
-            raise RuntimeError(f"rendezvous of replica {boot['replica']} on 127.0.0.1:{port} failed "
-                               f"(is the port taken? set WorkerSupervisorConfig.base_port): {exc}") from exc
+            raise RuntimeError(f"rendezvous of replica {boot['replica_index']} {_rendezvous_place(boot)} failed: "
+                               f"{exc}") from exc
         P.initialize(parallel, rank, backend=backend)
     entry = resolve_plugin(boot["plugin"])()
     entry.configure(boot["plugin_args"])
-    ctx = make_context(config, rank=rank, world_size=world, replica_index=boot["replica"],
+    ctx = make_context(config, rank=rank, world_size=world, replica_index=boot["replica_index"],
                        device_index=boot["device"])
     core = EngineCore(entry, boot["plugin_args"], ctx)
     arena = ShmArena(boot["run_id"], boot["arena_bytes"])
@@ -183,10 +187,23 @@ def _start(boot: dict[str, Any]):
     return core, arena, mapper
 
 
-def _rendezvous_store(port: int, rank: int, world: int, timeout):
-    """The replica's TCPStore, listening on 127.0.0.1 only (rank 0 serves it)."""
+def _rendezvous_place(boot: dict[str, Any]) -> str:
+    if boot["port"] is None:
+        return f"through the file store {boot['store']}"
+    return (f"on 127.0.0.1:{boot['port']} (is the port taken? pass base_port=None (the default) "
+            "for a free rendezvous, or another WorkerSupervisorConfig.base_port)")
+
+
+def _rendezvous_store(boot: dict[str, Any], rank: int, world: int, timeout):
+    """The replica's store: a FileStore on the supervisor's fresh file, or (a pinned port) a
+    TCPStore listening on 127.0.0.1 only (rank 0 serves it)."""
     import torch.distributed as dist
 
+    port = boot["port"]
+    if port is None:
+        store = dist.FileStore(boot["store"], world)  # the last rank to let go of it removes the file
+        store.set_timeout(timeout)
+        return store
     if rank != 0:
         _wait_for_listener(port, timeout.total_seconds())
         return dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout)

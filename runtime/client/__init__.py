@@ -6,16 +6,17 @@ Needs pyzmq, msgpack and numpy only: nothing here imports torch (see ``client``)
 Modules: ``client`` (``Client``: verbs, lifecycle), ``async_client`` (``AsyncClient``),
 ``connection`` (the socket, its outbox, reading), ``replies`` (requests in flight, decoding
 replies, shm bookkeeping), ``io_thread`` (fallback reader, heartbeats, monitor),
+``handshake`` (what the socket monitor's events mean),
 ``headers`` (what is sent), ``shm`` (the shm session), ``errors``, ``gate``.
 """
 
 from runtime.client.async_client import AsyncClient
 from runtime.client.client import Client
-from runtime.client.errors import (ConnectionLostError, DeadlineExceededError, InvalidRequestError, OverloadedError,
-                                   PluginError, ServerError, ServerUnavailableError)
+from runtime.client.errors import (ConnectionLostError, DeadlineExceededError, HandshakeError, InvalidRequestError,
+                                   OverloadedError, PluginError, ServerError, ServerUnavailableError)
 from runtime.client.gate import ObservationGate
 
 __all__ = [
-    "AsyncClient", "Client", "ConnectionLostError", "DeadlineExceededError", "InvalidRequestError",
-    "ObservationGate", "OverloadedError", "PluginError", "ServerError", "ServerUnavailableError",
+    "AsyncClient", "Client", "ConnectionLostError", "DeadlineExceededError", "HandshakeError",
+    "InvalidRequestError", "ObservationGate", "OverloadedError", "PluginError", "ServerError", "ServerUnavailableError",
 ]

@@ -14,7 +14,7 @@ the shared-memory protocol are in ``runtime.transport.protocol``; the errors in
       polls, reads, completes futures (Replies)
       somebody reads: sleep on the future, which that reader completes
     submit() futures with no caller reading: the I/O thread reads (runtime.client.io_thread),
-      and sends heartbeats; DISCONNECTED or silence -> in-flight requests fail
+      and sends heartbeats; a lost connection, a refused handshake or silence -> in-flight requests fail
 
 Why a caller reads: handing each request to an I/O thread and each reply back costs two
 thread switches per round trip (tens of µs each under the GIL on a busy machine). So a
@@ -85,7 +85,9 @@ class Client:
     results come back as views of shared memory, valid until collected (see the
     module's docstring). CURVE: ``server_public_key`` plus this client's
     ``public_key``/``secret_key`` (z85 text or key files); without them the client
-    speaks plain ZMQ.
+    speaks plain ZMQ. A handshake the server refuses (keys missing, wrong or not
+    authorized) fails the requests in flight and later ones with ``HandshakeError`` (a
+    ``ConnectionLostError``) naming the cause, within moments.
     """
 
     def __init__(self, address: str, *, tensor_type: str = "numpy", shm: bool | None = None,
@@ -118,7 +120,14 @@ class Client:
         self._read = self._conn.read_until  # bound once: call() allocates no more than it must
         self._io = IOThread(self._conn, self._replies, self._role, wake_io, heartbeat_interval_s,
                             heartbeat_timeout_s)
-        self._io.start()
+        try:
+            self._io.start()
+        except BaseException:  # no thread to close the socket: close it here
+            self._conn.shut()
+            self._conn.term()
+            self._role.dispose()
+            wake_io.close()
+            raise
 
     # -- the verbs ---------------------------------------------------------------------
 

@@ -24,6 +24,9 @@ Invariants:
 - Released result blocks ride with the next message (a message of their own would wake
   other threads, which costs a waiting caller its CPU on a busy machine).
 - ``open`` turns False once, under ``lock``, when the I/O thread closes the socket.
+- The monitor is read under ``monitor_lock`` (``watch_monitor``): by the I/O thread when it
+  fires, and by a sender whose send found no connection to queue on (a refused handshake,
+  after which libzmq gives the address up, explains that). It costs a request nothing.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ from concurrent.futures import Future
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
+from runtime.client.handshake import LOST, MONITORED, REFUSED, SERVED, HandshakeWatch
 from runtime.client.headers import release_header
 from runtime.client.replies import Replies, complete
 from runtime.core.errors import ProtocolError
@@ -49,8 +54,6 @@ log = logging.getLogger("phyrt.client")
 
 # plain ints: pyzmq's enum members cost microseconds in every ``|`` and call on the hot path
 _NOBLOCK = int(zmq.NOBLOCK)
-_MONITORED = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-              | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 class Connection:
@@ -70,10 +73,12 @@ class Connection:
         self._ctx = zmq.Context(1)
         self.sock = self._ctx.socket(zmq.DEALER)
         self.monitor: zmq.Socket | None = None
+        self.monitor_lock = threading.Lock()
+        self._watch = HandshakeWatch(address, server_public_key is not None)
         success = False
         try:
             self._configure(server_public_key, public_key, secret_key)
-            self.monitor = self.sock.get_monitor_socket(_MONITORED)
+            self.monitor = self.sock.get_monitor_socket(MONITORED)
             self.sock.connect(address)
             success = True
         finally:
@@ -170,6 +175,7 @@ class Connection:
                     sock.send_multipart(frames, _NOBLOCK)
                 continue
             except zmq.Again:
+                self.watch_monitor(failed)  # a refused handshake fails it (and all in flight) with its cause
                 reason = "the send queue to the server is full (is it reachable?)"
             except zmq.ZMQError as exc:
                 reason = f"the message could not be sent ({exc})"
@@ -249,15 +255,39 @@ class Connection:
         except Exception:  # a bug must not lose the replies after this one
             log.exception("failed to handle a reply from %s", self.address)
 
+    # -- the monitor (the I/O thread, or a sender that found no connection) ------------------
+
+    def watch_monitor(self, done: list) -> None:
+        """Act on what the monitor reported: a connection lost after its handshake, or a handshake
+        the server refused, fails the requests in flight into ``done`` (runtime.client.handshake)."""
+        with self.monitor_lock:
+            monitor = self.monitor
+            while monitor is not None:
+                try:
+                    event = recv_monitor_message(monitor, _NOBLOCK)
+                except zmq.Again:
+                    return
+                verdict = self._watch.on_event(event["event"], event["value"])
+                if verdict is None:
+                    continue
+                if verdict.action == LOST:
+                    self._replies.connection_lost(f"the connection to the server at {self.address} was lost", done)
+                elif verdict.action == REFUSED:
+                    if self._replies.refuse(verdict.message, verdict.permanent, done):
+                        log.warning("%s", verdict.message)
+                elif verdict.action == SERVED and self._replies.served():
+                    log.warning("the handshake with %s succeeded: requests go out again", self.address)
+
     # -- closing (the I/O thread, then the client) --------------------------------------------
 
     def shut(self) -> None:
         """Close the socket and its monitor, once no reader holds the role."""
-        with self.lock:
+        with self.lock, self.monitor_lock:
             self.open = False
             self.sock.disable_monitor()
             if self.monitor is not None:
                 self.monitor.close(0)
+                self.monitor = None
             self.sock.close(0)
 
     def term(self) -> None:

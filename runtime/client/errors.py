@@ -13,6 +13,8 @@ these types. ``type`` is the name a reply's ``error.type`` carries on the wire
     └── ServerUnavailableError                  EngineUnavailable
         │   (also runtime.core.errors.EngineUnavailableError)
         └── ConnectionLostError                 raised by the client itself, never sent
+            └── HandshakeError                  the server refused this client's handshake
+                                                (CURVE keys), also raised by the client only
 """
 
 from __future__ import annotations
@@ -65,6 +67,13 @@ class ConnectionLostError(ServerUnavailableError):
     """The connection to the server was lost with the request in flight (client side)."""
 
     type = "ConnectionLost"
+
+
+class HandshakeError(ConnectionLostError):
+    """The server refused this client's handshake (CURVE keys missing or wrong, or a client key
+    it does not authorize): nothing reaches it until that is fixed. The message names the cause."""
+
+    type = "Handshake"
 
 
 _ERROR_CLASSES = {cls.type: cls for cls in (InvalidRequestError, DeadlineExceededError, OverloadedError,

@@ -8,13 +8,15 @@ Torch-free. One daemon thread per ``Client``, named "phyrt-client":
       replies due and nobody reads (ReaderRole.take): hold the socket, poll it until the next
         beat or a wake-up, read one message; leave(hand_on=False); complete its futures
       otherwise: sleep on the wake pipe (``wake``: the role's wake_fallback, submit())
-        and on the monitor: DISCONNECTED -> everything in flight fails
+        and on the monitor (Connection.watch_monitor): a connection lost after its handshake,
+        or a handshake the server refused -> everything in flight fails
     on exit: wait until the last reader left the role, then close the socket
 
 Invariants:
 - The thread reads only when no caller does and replies are due (submit() futures,
   heartbeats, registers, held inputs): a lone caller's ``call()`` never involves it.
 - It gives the role up after each message, so a caller that comes to wait takes it.
+- No heartbeat goes out while the server refuses the handshake (nothing would carry it).
 - Failing requests here wakes the reader (``role.wake``): its caller's future may be one.
 - If the loop fails (a bug), the client is *broken*: every request in flight fails with
   the cause, later ones fail at once, and the role is closed.
@@ -27,7 +29,6 @@ import threading
 import time
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from runtime.client.connection import Connection
 from runtime.client.headers import HEARTBEAT
@@ -36,9 +37,6 @@ from runtime.transport.reader import ReaderRole
 from runtime.transport.wake_pipe import WakePipe
 
 log = logging.getLogger("phyrt.client")
-
-_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
-                     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 class IOThread:
@@ -81,7 +79,8 @@ class IOThread:
             while not replies.closed:
                 now = time.monotonic()
                 if now >= next_beat:
-                    self._heartbeat(now)
+                    if not replies.refused:
+                        self._heartbeat(now)
                     next_beat = now + self._interval
                 wait = max(0.0, next_beat - time.monotonic())
                 events = self._read(reading, wait) if self._take() else dict(idle.poll(int(wait * 1000) + 1))
@@ -121,16 +120,7 @@ class IOThread:
 
     def _drain_monitor(self) -> None:
         done: list = []
-        while True:
-            try:
-                event = recv_monitor_message(self._conn.monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            kind = event["event"]
-            if kind == zmq.EVENT_DISCONNECTED:
-                self._replies.connection_lost(f"the connection to the server at {self._conn.address} was lost", done)
-            elif kind in _HANDSHAKE_FAILED:
-                log.warning("handshake with %s failed (CURVE keys?): event %s", self._conn.address, kind)
+        self._conn.watch_monitor(done)
         self._fail(done)
 
     def _fail(self, done: list) -> None:

@@ -15,7 +15,9 @@ and every lock are released (their callbacks may call the client again).
                                              whose register handle() returns, to go out at once
       register ----------------------------> session.on_registered (or refused: frames)
     I/O thread: heartbeat(now) ------------> requests silent past heartbeat_timeout_s fail
-    monitor, I/O thread failure: connection_lost(reason, done)
+    monitor (runtime.client.handshake): connection_lost(reason, done) after a handshake;
+      refuse(message, permanent, done) when the server refused it, served() once one succeeds
+    I/O thread failure: connection_lost(reason, done)
 
 Invariants:
 - ``pending`` (futures in flight), ``held`` (requests whose shm inputs the server still
@@ -27,6 +29,8 @@ Invariants:
 - ``session`` belongs to one ``server_id`` and changes under ``shm_lock``; a new server
   id or a lost connection fails everything in flight and drops the session (its views
   stay valid; their releases are dropped: that server frees the whole session).
+- While ``refused`` (the server refused our handshake) a request fails at ``add`` with
+  ``HandshakeError``; a refusal for good (libzmq gave the address up) stays.
 - Every future is completed once (``runtime.core.futures.resolve``), by ``complete``.
 """
 
@@ -37,11 +41,11 @@ import os
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
-from runtime.client.errors import ConnectionLostError, ServerError, error_from_reply
+from runtime.client.errors import ConnectionLostError, HandshakeError, ServerError, error_from_reply
 from runtime.client.headers import register_header
 from runtime.client.shm import ShmSession
 from runtime.core.errors import ProtocolError
@@ -102,17 +106,22 @@ class Replies:
         self.last_heard = time.monotonic()
         self.closed = False
         self.broken: str | None = None  # why the I/O thread died, if it did
+        self.refused: str | None = None  # why the server refused our handshake, while it does
+        self.refused_for_good = False  # libzmq gave the address up: no handshake will follow
 
     def awaiting(self) -> bool:
         """Under ``lock``: some reply is still due."""
         return bool(self.pending or self.held or self.awaited)
 
     def add(self, request_id: int, pending: Pending) -> None:
-        """A request about to be sent; ConnectionLostError (its blocks freed) once closed or broken."""
+        """A request about to be sent; ConnectionLostError (its blocks freed) once closed or broken,
+        HandshakeError while the server refuses our handshake."""
         with self.lock:
-            if self.closed or self.broken:
+            if self.closed or self.broken or self.refused:
                 if pending.session is not None:
                     pending.session.free(pending.blocks)
+                if self.refused and not (self.closed or self.broken):
+                    raise HandshakeError.for_request(self.refused, request_id)
                 raise ConnectionLostError(f"the client of {self.address} is {self.broken or 'closed'}")
             self.pending[request_id] = pending
 
@@ -275,6 +284,30 @@ class Replies:
 
     def connection_lost(self, reason: str, done: list) -> None:
         """Fail every request in flight (into ``done``) and drop the shared-memory session."""
+        self._fail_all(done, lambda request_id: ConnectionLostError.for_request(
+            f"{reason} while request {request_id} was in flight (the client reconnects by itself; "
+            "send it again)", request_id))
+
+    def refuse(self, message: str, permanent: bool, done: list) -> bool:
+        """The server refused our handshake: what is in flight fails (into ``done``), later requests
+        at ``add``, until ``served()`` (a refusal for good stays). Whether it was not refused before."""
+        with self.lock:
+            new = self.refused is None
+            if permanent or not self.refused_for_good:
+                self.refused = message
+            self.refused_for_good = self.refused_for_good or permanent
+        self._fail_all(done, lambda request_id: HandshakeError.for_request(message, request_id))
+        return new
+
+    def served(self) -> bool:
+        """A handshake succeeded: requests go out again. Whether a refusal was lifted."""
+        with self.lock:
+            lifted = self.refused is not None and not self.refused_for_good
+            if lifted:
+                self.refused = None
+        return lifted
+
+    def _fail_all(self, done: list, error: Callable[[int], ConnectionLostError]) -> None:
         with self.lock:
             pending, self.pending = self.pending, {}
             self.held.clear()
@@ -283,9 +316,7 @@ class Replies:
             session, self.session = self.session, None
         self.server_id = None
         for request_id, p in pending.items():
-            done.append((p.future, None, ConnectionLostError.for_request(
-                f"{reason} while request {request_id} was in flight (the client reconnects by itself; "
-                "send it again)", request_id)))
+            done.append((p.future, None, error(request_id)))
         if session is not None:
             session.close()
             sweep_stale()  # the server's unreleased result segments, if it was killed

@@ -117,7 +117,10 @@ class EngineArgs:
 class WorkerSupervisorConfig:
     """How the supervisor runs a local worker group.
 
-    ``base_port``: replica i rendezvouses on ``base_port + i`` (loopback).
+    ``base_port``: ``None`` (the default): each replica's ranks rendezvous through a
+    file store in the supervisor's private run directory, so no TCP port is chosen
+    here and any number of engines start side by side; an int pins replica i's
+    rendezvous to ``127.0.0.1:base_port + i``.
     ``execution_timeout_s``: a request not answered this long after submission
     (queued time included) fails its whole group; ``None`` waits forever.
     ``heartbeat_interval_s`` / ``heartbeat_timeout_s``: each rank beats every
@@ -126,16 +129,20 @@ class WorkerSupervisorConfig:
     ``startup_timeout_s``: every rank must report ready within this.
     """
 
-    base_port: int = 29500
+    base_port: int | None = None
     execution_timeout_s: float | None = None
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 10.0
     startup_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        check_int("WorkerSupervisorConfig", "base_port", self.base_port, minimum=1)
-        if self.base_port > 65535:
-            raise ValueError(f"WorkerSupervisorConfig.base_port must be <= 65535, got {self.base_port}")
+        if self.base_port is not None:
+            if isinstance(self.base_port, bool) or not isinstance(self.base_port, int):
+                raise TypeError("WorkerSupervisorConfig.base_port must be an int or None (a free rendezvous), "
+                                f"got {self.base_port!r} ({type(self.base_port).__name__})")
+            check_int("WorkerSupervisorConfig", "base_port", self.base_port, minimum=1)
+            if self.base_port > 65535:
+                raise ValueError(f"WorkerSupervisorConfig.base_port must be <= 65535, got {self.base_port}")
         check_seconds("WorkerSupervisorConfig", "execution_timeout_s", self.execution_timeout_s, allow_none=True)
         check_seconds("WorkerSupervisorConfig", "heartbeat_interval_s", self.heartbeat_interval_s)
         check_seconds("WorkerSupervisorConfig", "heartbeat_timeout_s", self.heartbeat_timeout_s)
@@ -164,6 +171,14 @@ class DeploymentConfig:
     ``collective_timeout_s`` (external mode): once the ranks are built, a collective
     that gets no answer from a peer this long (a rank hung or died) fails with
     ``EngineUnavailableError`` instead of waiting torch's default 30 minutes.
+
+    ``replica_restarts`` (local mode): a replica whose worker group failed is rebuilt in
+    the background with new ranks, each replica up to this many times in the engine's
+    life (a rebuild that fails to start counts); then it is given up. 0 (the default) keeps fail-fast: a failed replica stays down. The
+    wait before rebuild k of a replica is ``restart_backoff_s * 2**(k-1)``, at most 60 s.
+    Its requests fail at once either way; a rebuild never retries them. Inline and
+    external mode ignore both: an inline replica never fails as a whole (a plugin error
+    fails its request only), and torchrun restarts external ranks (``--max-restarts``).
     """
 
     mode: str = "auto"
@@ -171,6 +186,8 @@ class DeploymentConfig:
     devices: tuple[int, ...] | None = None
     process_config: WorkerSupervisorConfig = field(default_factory=WorkerSupervisorConfig)
     collective_timeout_s: float = 60.0
+    replica_restarts: int = 0
+    restart_backoff_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, str):
@@ -196,12 +213,16 @@ class DeploymentConfig:
             raise TypeError(
                 f"DeploymentConfig.process_config must be a WorkerSupervisorConfig, got {self.process_config!r}"
             )
-        if self.process_config.base_port + self.replica_count - 1 > 65535:
+        base_port = self.process_config.base_port
+        if base_port is not None and base_port + self.replica_count - 1 > 65535:
             raise ValueError(
-                f"replica i rendezvouses on base_port + i: base_port {self.process_config.base_port} "
-                f"with {self.replica_count} replicas passes port 65535"
+                f"replica i rendezvouses on base_port + i: base_port {base_port} "
+                f"with {self.replica_count} replicas passes port 65535; pass base_port=None (the default) "
+                "for a free rendezvous"
             )
         check_seconds("DeploymentConfig", "collective_timeout_s", self.collective_timeout_s)
+        check_int("DeploymentConfig", "replica_restarts", self.replica_restarts, minimum=0)
+        check_seconds("DeploymentConfig", "restart_backoff_s", self.restart_backoff_s)
         if self.mode == "external" and self.replica_count != 1:
             raise ValueError(f"external mode serves one replica per launch, got replica_count={self.replica_count}")
 
@@ -211,12 +232,16 @@ class DeploymentConfig:
         devices: Any = None,
         replica_count: int = 1,
         process_config: WorkerSupervisorConfig | None = None,
+        replica_restarts: int = 0,
+        restart_backoff_s: float = 1.0,
     ) -> "DeploymentConfig":
         return cls(
             mode="local",
             replica_count=replica_count,
             devices=devices,
             process_config=process_config or WorkerSupervisorConfig(),
+            replica_restarts=replica_restarts,
+            restart_backoff_s=restart_backoff_s,
         )
 
     @classmethod

@@ -2,8 +2,10 @@
 
 Choice: the healthy replica with the fewest requests in flight; ties rotate
 round-robin, starting after the replica chosen last. A replica that has failed
-is out of the rotation for good (no restarts). With no healthy replica left,
-``submit`` raises ``EngineUnavailableError`` at once, naming each replica's cause.
+is out of the rotation until ``replace`` puts a rebuilt executor in its place
+(``runtime.execution.restarts``; without restarts, for good). With no healthy
+replica left, ``submit`` raises ``EngineUnavailableError`` at once, naming each
+replica's cause.
 
 The choice and the executor's in-flight increment happen under one lock, so
 concurrent submits see each other's load.
@@ -57,6 +59,20 @@ class RequestDispatcher:
                     return executor.submit(request)
                 except EngineUnavailableError:
                     tried.add(executor.index)  # it failed between the check and the send
+
+    def replace(self, index: int, executor: ReplicaExecutor) -> ReplicaExecutor | None:
+        """Put ``executor`` in the place of replica ``index``; returns the executor it
+        replaced, or None when the dispatcher is closed (the caller then closes ``executor``)."""
+        if executor.index != index:
+            raise ValueError(f"replica {index} cannot be replaced by the executor of replica {executor.index}")
+        with self._lock:
+            if self._closed:
+                return None
+            for position, current in enumerate(self._executors):
+                if current.index == index:
+                    self._executors[position] = executor
+                    return current
+        raise ValueError(f"no replica {index} to replace")
 
     def _choose(self, tried: set[int]) -> ReplicaExecutor | None:
         count = len(self._executors)

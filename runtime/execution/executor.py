@@ -2,11 +2,12 @@
 
 An executor is always one complete model replica, however many ranks it spans.
 It owns its in-flight count (raised on submit, lowered when the future is done)
-and its health, which only ever goes from healthy to failed: phyrt never restarts
-a replica. ``submit(request) -> Future`` is the whole interface the dispatcher
-uses; how a caller will wait for the future is no business of it (a thread about
-to wait says so with ``runtime.transport.reader.expect_wait``, which a channel
-may read).
+and its health, which only ever goes from healthy to failed: an executor is never
+revived. A local replica may be rebuilt (``runtime.execution.restarts``): a new
+executor with the same index then takes the failed one's place in the dispatcher.
+``submit(request) -> Future`` is the whole interface the dispatcher uses; how a
+caller will wait for the future is no business of it (a thread about to wait says
+so with ``runtime.transport.reader.expect_wait``, which a channel may read).
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ class ReplicaStatus:
     inflight: int
     devices: tuple[int, ...]
     error: str | None = None
+    #: rebuilds of this replica begun so far (``DeploymentConfig.replica_restarts``)
+    restarts: int = 0
+    #: a rebuild is waiting its backoff or starting; ``healthy`` is False meanwhile
+    restarting: bool = False
 
 
 class ReplicaExecutor(abc.ABC):

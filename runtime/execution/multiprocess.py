@@ -1,14 +1,16 @@
 """MultiprocessExecutor: one local replica, i.e. one group of spawned ranks.
 
-All replicas of an engine share one ``WorkerSupervisor`` (one I/O thread, one
-ROUTER socket); each executor is a thin view of its group:
+The replicas an engine starts share one ``WorkerSupervisor`` (one I/O thread, one
+ROUTER socket); a replica rebuilt after a failure (``runtime.execution.restarts``)
+has a supervisor of its own, where it is group 0. Each executor is a thin view of
+its group:
 
-    dispatcher --submit--> MultiprocessExecutor(index) --supervisor.submit(index, request, future)--> ranks
-    dispatcher --healthy/error--> supervisor.group_error(index)    (None while the group serves)
+    dispatcher --submit--> MultiprocessExecutor(index) --supervisor.submit(group, request, future)--> ranks
+    dispatcher --healthy/error--> supervisor.group_error(group)    (None while the group serves)
 
 Health is the supervisor's word on the group (plus this executor's own "closed"), so
-nothing has to be told when a group fails. ``close`` closes the shared supervisor
-(idempotent there).
+nothing has to be told when a group fails. ``close`` closes the supervisor
+(idempotent there; a shared one stops every replica it holds).
 """
 
 from __future__ import annotations
@@ -22,14 +24,22 @@ from runtime.execution.executor import ReplicaExecutor
 class MultiprocessExecutor(ReplicaExecutor):
     mode = "local"
 
-    def __init__(self, supervisor: Any, index: int, devices: tuple[int, ...]) -> None:
+    def __init__(self, supervisor: Any, index: int, devices: tuple[int, ...], group: int | None = None) -> None:
+        """``index``: the replica's index in the engine; ``group``: its group in ``supervisor``
+        (``index`` when None, as in the supervisor the engine starts with)."""
         super().__init__(index, devices)
         self._supervisor = supervisor
+        self._group = index if group is None else group
+
+    @property
+    def supervisor(self) -> Any:
+        """The ``WorkerSupervisor`` that holds this replica's ranks."""
+        return self._supervisor
 
     @property
     def error(self) -> str | None:
         """Why this replica stopped serving (closed, or its group failed); None while healthy."""
-        return self._error or self._supervisor.group_error(self.index)
+        return self._error or self._supervisor.group_error(self._group)
 
     def _new_future(self) -> Future:
         # waiting on it reads the ranks' answers in the waiting thread when no other thread does
@@ -39,7 +49,7 @@ class MultiprocessExecutor(ReplicaExecutor):
         # ranks start work as soon as it is sent and cannot take it back: from here the
         # future is running, so cancel() answers False (only queued inline work cancels)
         future.set_running_or_notify_cancel()
-        self._supervisor.submit(self.index, request, future)
+        self._supervisor.submit(self._group, request, future)
 
     def close(self, timeout: float | None = None) -> None:
         self.mark_failed("the engine is closed")

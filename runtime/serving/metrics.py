@@ -11,6 +11,16 @@ this module, and ``NullMetrics``, works without it.
     housekeeping     -> observe_replicas  replica snapshot            <- GET /metrics (scrape):
                         (or ``replicas=``, a callable read at scrape)     phyrt_replica_inflight{replica}
                                                                           phyrt_replica_healthy{replica}
+                                                                          phyrt_replica_restarts{replica}
+                                                                          phyrt_replica_restarting{replica}
+                                                                       <- GET /healthz: 200 "ok"
+                                                                       <- GET /readyz: 200 while a replica
+                                                                          is healthy, else 503 and why
+
+Probes (same port, GET or HEAD): ``/healthz`` answers 200 while the process answers at all
+(liveness); ``/readyz`` answers 200 while at least one replica is healthy and 503 otherwise,
+its body naming each replica that is down and why (readiness: a replica being rebuilt is
+not ready). Any other path is 404.
 
 Label values are bounded: ops other than the protocol's and error types other than
 the protocol's are counted as ``other``, so a hostile client cannot grow the label
@@ -24,10 +34,11 @@ from __future__ import annotations
 import socket
 import threading
 from socketserver import ThreadingMixIn
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-__all__ = ["ERROR_TYPES", "OPS", "MetricsServer", "NullMetrics", "ServerMetrics", "start_metrics_server"]
+__all__ = ["ERROR_TYPES", "OPS", "MetricsServer", "NullMetrics", "ReplicaSample", "ServerMetrics",
+           "start_metrics_server"]
 
 #: the protocol's ops (runtime.client's docstring); anything else is counted as "other"
 OPS = ("submit", "cancel", "ping", "info", "register", "release")
@@ -64,16 +75,17 @@ class ServerMetrics:
     """The recorder a server calls, and the registry a metrics server exposes.
 
     ``replicas``: optional callable returning the replicas' statuses (objects with
-    ``index``, ``healthy``, ``inflight``, like ``Engine.replicas``, or dicts with those
-    keys, like ``info()["replicas"]``); it is read at each scrape, on the HTTP thread.
-    Without it, the replica gauges show what ``observe_replicas`` was last given.
+    ``index``, ``healthy``, ``inflight`` and optionally ``restarts``, ``restarting``,
+    ``error``, like ``Engine.replicas``, or dicts with those keys, like
+    ``info()["replicas"]``); it is read at each scrape and probe, on the HTTP thread.
+    Without it, the replica gauges and ``/readyz`` use what ``observe_replicas`` was last given.
     """
 
     def __init__(self, *, replicas: Callable[[], Iterable[Any]] | None = None, registry: Any = None) -> None:
         prom = _prometheus()
         self.registry = registry if registry is not None else prom.CollectorRegistry()
         self._replica_source = replicas
-        self._replicas: list[tuple[str, bool, int]] = []
+        self._replicas: list[ReplicaSample] = []
         self._lock = threading.Lock()  # the replica snapshot
         requests = prom.Counter("phyrt_requests", "Messages received, by op (unparseable or unknown: other).",
                                 ["op"], registry=self.registry)
@@ -104,7 +116,8 @@ class ServerMetrics:
         with self._lock:
             self._replicas = snapshot
 
-    def replica_snapshot(self) -> list[tuple[str, bool, int]]:
+    def replica_snapshot(self) -> list[ReplicaSample]:
+        """The replicas now: read from ``replicas`` if given, else the last ``observe_replicas``."""
         if self._replica_source is not None:
             return [_replica(status) for status in self._replica_source()]
         with self._lock:
@@ -115,9 +128,28 @@ class ServerMetrics:
         return _prometheus().generate_latest(self.registry)
 
 
-def _replica(status: Any) -> tuple[str, bool, int]:
-    get = status.get if isinstance(status, dict) else lambda key: getattr(status, key)
-    return str(int(get("index"))), bool(get("healthy")), int(get("inflight"))
+class ReplicaSample(NamedTuple):
+    """What the metrics and probes read of one replica's status."""
+
+    index: str  # a label value
+    healthy: bool
+    inflight: int
+    restarts: int
+    restarting: bool
+    error: str | None
+
+
+def _replica(status: Any) -> ReplicaSample:
+    """A status object (``Engine.replicas``) or dict (``info()["replicas"]``); fields added
+    later (``restarts``, ``restarting``, ``error``) read as 0, False, None where missing."""
+
+    def get(key: str, default: Any = None) -> Any:
+        return status.get(key, default) if isinstance(status, dict) else getattr(status, key, default)
+
+    error = get("error", None)
+    return ReplicaSample(str(int(get("index"))), bool(get("healthy")), int(get("inflight")),
+                         int(get("restarts", 0) or 0), bool(get("restarting", False)),
+                         None if error is None else str(error))
 
 
 class _ReplicaCollector:
@@ -134,18 +166,60 @@ class _ReplicaCollector:
 
         inflight = GaugeMetricFamily("phyrt_replica_inflight", "Requests a replica holds now.", labels=["replica"])
         healthy = GaugeMetricFamily("phyrt_replica_healthy", "1 if a replica can serve, else 0.", labels=["replica"])
+        restarts = GaugeMetricFamily("phyrt_replica_restarts", "Rebuilds of a replica begun so far.",
+                                     labels=["replica"])
+        restarting = GaugeMetricFamily("phyrt_replica_restarting", "1 while a replica is being rebuilt, else 0.",
+                                       labels=["replica"])
         replicas = self._metrics.replica_snapshot()
-        for index, ok, count in replicas:
-            inflight.add_metric([index], count)
-            healthy.add_metric([index], 1.0 if ok else 0.0)
-        yield inflight
-        yield healthy
+        for r in replicas:
+            inflight.add_metric([r.index], r.inflight)
+            healthy.add_metric([r.index], 1.0 if r.healthy else 0.0)
+            restarts.add_metric([r.index], r.restarts)
+            restarting.add_metric([r.index], 1.0 if r.restarting else 0.0)
+        yield from (inflight, healthy, restarts, restarting)
         yield GaugeMetricFamily("phyrt_replicas_healthy", "Replicas that can serve now.",
-                                value=sum(ok for _, ok, _ in replicas))
+                                value=sum(r.healthy for r in replicas))
+
+
+def _readiness(replicas: list[ReplicaSample]) -> tuple[bool, str]:
+    """Whether any replica is healthy, and a text that says which are down and why."""
+    down = [f"replica {r.index}: " + ("being rebuilt" if r.restarting else "down")
+            + (f" ({r.error})" if r.error else "") for r in replicas if not r.healthy]
+    ready = any(r.healthy for r in replicas)
+    head = "ready" if ready else ("not ready: no replica is healthy" if replicas else "not ready: no replica")
+    return ready, "\n".join([head, *down]) + "\n"
+
+
+def _probe_app(metrics: ServerMetrics, scrape: Callable[..., Any]) -> Callable[..., Any]:
+    """The WSGI app of a metrics server: /metrics (``scrape``), /healthz, /readyz, else 404."""
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path, method = environ.get("PATH_INFO") or "/", environ.get("REQUEST_METHOD", "GET")
+        if path == "/metrics":
+            return scrape(environ, start_response)
+        if method not in ("GET", "HEAD"):
+            status, body = "405 Method Not Allowed", f"{method} is not served; use GET\n"
+        elif path == "/healthz":
+            status, body = "200 OK", "ok\n"
+        elif path == "/readyz":
+            try:
+                ready, body = _readiness(metrics.replica_snapshot())
+            except Exception as exc:  # the engine's status could not be read: not ready
+                ready, body = False, f"not ready: no replica status ({type(exc).__name__}: {exc})\n"
+            status = "200 OK" if ready else "503 Service Unavailable"
+        else:
+            status, body = "404 Not Found", f"no such path: {path} (try /metrics, /healthz or /readyz)\n"
+        data = body.encode("utf-8", "replace")
+        start_response(status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(data))),
+                                ("Cache-Control", "no-store")])
+        return [] if method == "HEAD" else [data]
+
+    return app
 
 
 class MetricsServer:
-    """An HTTP server answering ``GET /metrics`` on its own thread; ``close()`` stops it."""
+    """An HTTP server answering ``GET /metrics``, ``/healthz`` and ``/readyz`` on its own thread;
+    ``close()`` stops it."""
 
     def __init__(self, metrics: ServerMetrics, httpd: Any) -> None:
         self.metrics = metrics
@@ -175,7 +249,8 @@ class MetricsServer:
 
 
 def start_metrics_server(port: int, host: str = "127.0.0.1", metrics: ServerMetrics | None = None) -> MetricsServer:
-    """Serve ``metrics`` (a new ``ServerMetrics`` if None) on ``http://host:port/metrics``.
+    """Serve ``metrics`` (a new ``ServerMetrics`` if None) on ``http://host:port/metrics``,
+    with the probes ``/healthz`` and ``/readyz`` beside it (see the module docstring).
 
     ``port`` 0 picks a free port (see ``.port``). Loopback by default: pass another
     ``host`` to let other machines scrape. OSError if the port is taken.
@@ -190,7 +265,8 @@ def start_metrics_server(port: int, host: str = "127.0.0.1", metrics: ServerMetr
     # prometheus_client's own start_http_server returns no handle to stop it before 0.20;
     # the same WSGI app on wsgiref's server works with any version
     server_class = _IPv6Server if ":" in host else _IPv4Server
-    httpd = make_server(host, port, prom.make_wsgi_app(metrics.registry), server_class, handler_class=_QuietHandler)
+    app = _probe_app(metrics, prom.make_wsgi_app(metrics.registry))
+    httpd = make_server(host, port, app, server_class, handler_class=_QuietHandler)
     return MetricsServer(metrics, httpd)
 
 

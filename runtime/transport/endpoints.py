@@ -6,7 +6,7 @@ when a key file is read, so that the torch-free client loads its keys from here 
 Policy (``check_address``), see also ``python -m runtime.launch --help``:
 - ipc:///path: an absolute path in a directory of this user with mode 0700
   (abstract sockets have no permission check, so they are refused);
-- tcp://HOST:PORT: a loopback HOST, or any HOST with CURVE keys.
+- tcp://HOST:PORT: a loopback HOST, or any HOST with the server's CURVE secret key.
 """
 
 from __future__ import annotations
@@ -60,8 +60,10 @@ def check_address(address: str, curve: bool) -> None:
     if address.startswith("tcp://"):
         host = address[len("tcp://"):].rpartition(":")[0].strip("[]")
         if not _is_loopback(host) and not curve:
-            raise ValueError(f"{address}: binding a non-loopback interface needs CURVE keys "
-                             "(--curve-secret-key and --curve-public-key); use tcp://127.0.0.1:PORT for this host only")
+            raise ValueError(f"{address}: binding a non-loopback interface needs the server's CURVE secret key, "
+                             "--curve-secret-key (the public key is derived from it; make a pair with python -c "
+                             "\"import zmq.auth; zmq.auth.create_certificates('.', 'server')\"); "
+                             "or use tcp://127.0.0.1:PORT for this host only")
         return
     raise ValueError(f"address must be ipc:///path or tcp://host:port, got {address!r}")
 
