@@ -6,6 +6,8 @@ Sections (run in this order; ``--only`` picks some):
                bare ZMQ+msgpack and OS pipe floors, pickle over ZMQ, msgpack-numpy over websocket, Ray
     serving    python -m runtime.launch + runtime.client against the floor, pickle REQ/REP and the
                websocket peer: small requests, a 5 MiB image, throughput with 1 and 8 client processes (--quick: 8)
+    openpi     openpi's client against phyrt's openpi door, a plain websockets + msgpack_numpy server running
+               the same plugin (the protocol's floor) and runtime.client: a 32-float and a 640x480 image observation
     scaling    throughput of a compute-bound plugin on 1 and 2 replicas
     lifecycle  engine start-up (2-rank local replica) against bare spawn + gloo; failure detection
                after SIGKILL and SIGSTOP of a rank with a request in flight
@@ -24,7 +26,7 @@ import argparse
 import os
 import sys
 
-SECTIONS = ("latency", "serving", "scaling", "lifecycle", "llm", "gpu")
+SECTIONS = ("latency", "serving", "openpi", "scaling", "lifecycle", "llm", "gpu")
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -33,6 +35,8 @@ def _runner(name: str):
         from bench.latency import run
     elif name == "serving":
         from bench.frontdoor import run
+    elif name == "openpi":
+        from bench.openpi import run
     elif name == "scaling":
         from bench.scaling import run_scaling as run
     elif name == "lifecycle":
@@ -50,8 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m bench",
         description="Run phyrt's benchmarks side by side with their floors and peers (bare ZMQ, OS pipe, pickle "
-                    "over ZMQ, msgpack-numpy over websocket, Ray actors, transformers.generate) and write a "
-                    "Markdown report (medians, p99, ratios against baselines measured in the same run, targets "
+                    "over ZMQ, msgpack-numpy over websocket, openpi's client, Ray actors, transformers.generate) and "
+                    "write a Markdown report (medians, p99, ratios against baselines measured in the same run, targets "
                     "met or missed) with PNG plots. The peers need the bench extra: pip install -e '.[bench]'; "
                     "a peer that is missing gets a 'not available' row instead of failing the run.",
         epilog="sections: " + ", ".join(SECTIONS) + ". Read the ratios, not absolute times: other load on the "

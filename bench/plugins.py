@@ -10,6 +10,10 @@ Every rank of a replica runs each request; rank 0 answers. Requests are dicts wi
     cuda_result  a CUDA tensor of request["mib"] MiB that this rank keeps (allocated once,
                  filled with 1.0), returned as a CUDA-IPC result
 
+``bench.plugins:ImageMeanPolicy`` is a stand-in for a vision policy, cheap on purpose (the openpi
+section measures the door, not a model): ``{"image": uint8 [B, H, W, 3]}`` -> ``{"actions":
+float32 [B, 8, 7]}``, a fixed linear map of the per-channel mean of every 4th row and column.
+
 The top level imports only the runtime's plugin base, so that ranks start as fast
 as ranks of any plugin.
 """
@@ -85,3 +89,51 @@ class BenchProbe(Entry):
 
     def build(self, ctx: Any, plugin_args: Any) -> BenchProbeRunner:
         return BenchProbeRunner(ctx, plugin_args or {})
+
+
+#: ImageMeanPolicy's action chunk: 8 steps of 7 joints (the policy demo's default shape)
+IMAGE_HORIZON, IMAGE_ACT_DIM = 8, 7
+
+
+class ImageMeanRunner:
+    def __init__(self) -> None:
+        import torch
+
+        gen = torch.Generator().manual_seed(0)
+        self._weight = torch.randn(3, IMAGE_HORIZON * IMAGE_ACT_DIM, generator=gen)
+
+    def execute(self, request: dict) -> dict:
+        import torch
+
+        image = torch.as_tensor(request["image"])
+        with torch.inference_mode():
+            means = image[:, ::4, ::4].float().mean(dim=(1, 2)) / 255.0  # [B, 3]
+            actions = torch.tanh(means @ self._weight).reshape(-1, IMAGE_HORIZON, IMAGE_ACT_DIM)
+        return {"actions": actions.clone()}  # an ordinary tensor, not an inference-mode one
+
+
+class ImageMeanPolicy(Entry):
+    """See the module docstring. Single rank only."""
+
+    name = "bench-image-mean"
+
+    def configure(self, plugin_args: Any) -> None:
+        if plugin_args is not None:
+            raise TypeError(f"ImageMeanPolicy takes no plugin_args, got {plugin_args!r}")
+
+    def validate_request(self, request: Any) -> None:
+        import numpy as np
+        import torch
+
+        image = request.get("image") if isinstance(request, dict) else None
+        if set(request if isinstance(request, dict) else ()) != {"image"} or not isinstance(
+                image, (torch.Tensor, np.ndarray)):
+            raise ValueError("ImageMeanPolicy requests are {'image': uint8 tensor or array [B, H, W, 3]}, got "
+                             f"{type(request).__name__} {list(request) if isinstance(request, dict) else ''}")
+        image = torch.as_tensor(image)
+        if image.dtype != torch.uint8 or image.dim() != 4 or image.shape[0] == 0 or image.shape[3] != 3:
+            raise ValueError(f"ImageMeanPolicy image must be uint8 [B >= 1, H, W, 3], got {image.dtype} "
+                             f"{list(image.shape)}")
+
+    def build(self, ctx: Any, plugin_args: Any) -> ImageMeanRunner:
+        return ImageMeanRunner()

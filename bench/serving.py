@@ -88,9 +88,10 @@ class LaunchedServer:
         self.proc = subprocess.Popen([sys.executable, "-m", "runtime.launch", "--plugin", PLUGIN, "--device", "cpu",
                                       "--address", address, "--log-level", "warning"],
                                      stdout=subprocess.PIPE, stderr=self._log, text=True)
-        self.address = self._ready_address()
+        self.address = self._ready_fields()["address"]
 
-    def _ready_address(self) -> str:
+    def _ready_fields(self) -> dict[str, str]:
+        """The fields of the server's ready line (it is killed if none comes)."""
         with selectors.DefaultSelector() as selector:
             selector.register(self.proc.stdout, selectors.EVENT_READ)
             deadline = time.monotonic() + START_TIMEOUT_S
@@ -98,11 +99,12 @@ class LaunchedServer:
                 if selector.select(timeout=0.5):
                     line = self.proc.stdout.readline()
                     if line.startswith("phyrt ready "):
-                        return dict(kv.split("=", 1) for kv in line.split()[2:])["address"]
+                        return dict(kv.split("=", 1) for kv in line.split()[2:])
                     if not line:
                         break
         self.proc.kill()
         self.proc.wait(10)
+        self.proc.stdout.close()
         raise RuntimeError(f"the server did not get ready; log:\n{open(self.log_path).read()}")
 
     def pids(self) -> set[int]:

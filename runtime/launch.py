@@ -35,6 +35,12 @@ cleans up as for SIGTERM and exits 3, so that a process manager restarts it;
 --metrics-port also serves the probes /healthz (200 while the process serves) and
 /readyz (200 while a replica is healthy, else 503 and why).
 
+openpi clients. --openpi-port PORT also serves the engine over openpi's websocket policy
+protocol (``runtime.serving.openpi``; the ready line gains openpi=ws://HOST:PORT). It
+binds --openpi-host (127.0.0.1); any other interface needs --openpi-api-key and is refused
+without one (exit status 1), since that protocol has no encryption. It stops, drains and
+closes with the ZeroMQ server, before the engine closes.
+
 Exit status: 0 after a requested stop (SIGINT or SIGTERM, during the start or after),
 1 start-up failure (the cause on stderr), 2 bad arguments, 3 no replica can serve.
 """
@@ -61,6 +67,47 @@ log = logging.getLogger("phyrt.launch")
 EXIT_STOPPED, EXIT_START_FAILED, EXIT_BAD_ARGUMENTS, EXIT_CANNOT_SERVE = 0, 1, 2, 3
 #: how often the main thread checks that the engine can still serve
 WATCH_PERIOD_S = 0.2
+
+
+class _Front:
+    """What clients reach: the ZeroMQ server, the openpi door (--openpi-port) and the metrics
+    endpoint (--metrics-port), each None until it is up; they stop and close together."""
+
+    def __init__(self) -> None:
+        self.server: Any = None
+        self.door: Any = None
+        self.metrics_http: Any = None
+
+    @property
+    def inflight(self) -> int:
+        return self.server.inflight + (self.door.inflight if self.door is not None else 0)
+
+    def stop_accepting(self) -> None:
+        if self.door is not None:
+            self.door.stop_accepting()
+        self.server.stop_accepting()
+
+    def skip_drain(self) -> None:
+        if self.door is not None:
+            self.door.skip_drain()
+        self.server.skip_drain()
+
+    def close(self, engine: Any, drain_timeout_s: float) -> None:
+        """Drain both doors within ``drain_timeout_s`` in all, close the door, then the server and its
+        engine (``engine`` alone if no server took it), then the metrics endpoint."""
+        deadline = time.monotonic() + drain_timeout_s
+        try:
+            if self.door is not None:
+                self.door.close(drain_timeout_s)
+        finally:
+            try:
+                if self.server is not None:
+                    self.server.close(max(0.0, deadline - time.monotonic()))
+                elif engine is not None:
+                    engine.close()
+            finally:
+                if self.metrics_http is not None:
+                    self.metrics_http.close()
 
 
 class _Interrupted(BaseException):
@@ -139,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
     _configure_logging(opts.log_level)
     _on_signals(_interrupt_start)
-    private_dir = engine = server = metrics_http = None
+    private_dir = engine = None
+    front = _Front()
     started = time.monotonic()
     try:
         address, private_dir = resolve_address(opts.address)
@@ -147,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
 
         curve = curve_keys(opts)
         check_address(address, curve is not None)  # before minutes of start-up, not after
+        openpi_key = _check_openpi(opts)
         args, deployment = build_engine_config(opts)
         _log_plan(args, deployment)
         from runtime.engine import Engine
@@ -156,36 +205,37 @@ def main(argv: list[str] | None = None) -> int:
 
         topology = _topology(engine)
         log.info("engine ready in %.1f s; binding %s", time.monotonic() - started, address)
-        metrics_http = _start_metrics(opts, engine)
-        metrics = metrics_http.metrics if metrics_http is not None else None
-        server = Server(engine, address, max_inflight=opts.max_inflight, max_message_bytes=opts.max_message_bytes,
-                        curve=curve, info={"device": topology["device"], "backend": topology["backend"]},
-                        metrics=metrics)
+        front.metrics_http = _start_metrics(opts, engine)
+        metrics = front.metrics_http.metrics if front.metrics_http is not None else None
+        front.server = Server(engine, address, max_inflight=opts.max_inflight,
+                              max_message_bytes=opts.max_message_bytes, curve=curve, metrics=metrics,
+                              info={"device": topology["device"], "backend": topology["backend"]})
         engine = None  # the server owns it now
         stop = threading.Event()
-        _on_signals(_stop_handler(server, stop))
-        server.start()
+        _on_signals(_stop_handler(front, stop))
+        front.server.start()
+        front.door = _start_openpi(opts, served, openpi_key)
     except _Interrupted as exc:
         log.info("%s while starting: stopping the start", exc)
-        _cleanup(engine, server, private_dir, 0.0, metrics_http)
+        _cleanup(engine, front, private_dir, 0.0)
         log.info("stopped")
         return EXIT_STOPPED
     except Exception as exc:
         _on_signals(_noted_while_stopping)  # the cleanup below is not to be cut short
         log.error("startup failed: %s: %s", type(exc).__name__, exc)
         log.debug("startup failure in detail", exc_info=True)
-        _cleanup(engine, server, private_dir, 0.0, metrics_http)
+        _cleanup(engine, front, private_dir, 0.0)
         return EXIT_START_FAILED
 
-    _print_ready(server, topology, metrics_http)
-    code = _serve_until_stopped(server, served, stop, opts.keep_serving_unhealthy)
-    log.info("stopping: %d request(s) in flight, draining for up to %.1f s", server.inflight, opts.drain_timeout_s)
-    _cleanup(None, server, private_dir, opts.drain_timeout_s, metrics_http)
+    _print_ready(front, topology)
+    code = _serve_until_stopped(front, served, stop, opts.keep_serving_unhealthy)
+    log.info("stopping: %d request(s) in flight, draining for up to %.1f s", front.inflight, opts.drain_timeout_s)
+    _cleanup(None, front, private_dir, opts.drain_timeout_s)
     log.info("stopped" if code == EXIT_STOPPED else f"stopped: no replica could serve (exit status {code})")
     return code
 
 
-def _serve_until_stopped(server: Any, engine: Any, stop: threading.Event, keep_serving_unhealthy: bool) -> int:
+def _serve_until_stopped(front: _Front, engine: Any, stop: threading.Event, keep_serving_unhealthy: bool) -> int:
     """Wait until a signal sets ``stop`` (0), or until ``engine`` can no longer serve (3: new
     requests are refused from then on); with ``keep_serving_unhealthy``, only say so and wait on."""
     serving = True
@@ -204,7 +254,7 @@ def _serve_until_stopped(server: Any, engine: Any, stop: threading.Event, keep_s
         if stop.is_set():  # a signal came meanwhile: that stop was asked for
             return EXIT_STOPPED
         log.error("no replica can serve (%s); stopping with exit status %d", causes, EXIT_CANNOT_SERVE)
-        server.stop_accepting()
+        front.stop_accepting()
         stop.set()  # a signal from now on skips the drain
         return EXIT_CANNOT_SERVE
     return EXIT_STOPPED
@@ -245,38 +295,58 @@ def _start_metrics(opts: argparse.Namespace, engine: Any) -> Any:
     return metrics_http
 
 
-def _print_ready(server: Any, topology: dict[str, Any], metrics_http: Any) -> None:
+def _check_openpi(opts: argparse.Namespace) -> str | None:
+    """The openpi door's API key, once its host is known to be allowed (before the engine starts)."""
+    if opts.openpi_port is None:
+        if opts.openpi_api_key is not None or opts.openpi_host != "127.0.0.1" or opts.openpi_no_batch_dim:
+            raise ValueError("--openpi-host, --openpi-api-key and --openpi-no-batch-dim need --openpi-port")
+        return None
+    from runtime.serving.openpi import check_openpi_host, load_api_key
+
+    key = load_api_key(opts.openpi_api_key)
+    check_openpi_host(opts.openpi_host, key)
+    return key
+
+
+def _start_openpi(opts: argparse.Namespace, engine: Any, api_key: str | None) -> Any:
+    """The openpi door when ``--openpi-port`` asks for one (else None), serving ``engine``."""
+    if opts.openpi_port is None:
+        return None
+    from runtime.serving.openpi import OpenpiDoor
+
+    return OpenpiDoor(engine, opts.openpi_host, opts.openpi_port, api_key=api_key,
+                      batch_dim=not opts.openpi_no_batch_dim, max_message_bytes=opts.max_message_bytes,
+                      max_inflight=opts.max_inflight).start()
+
+
+def _print_ready(front: _Front, topology: dict[str, Any]) -> None:
     """The one line on stdout that says the server is up, and where."""
-    fields = {"address": server.address, **{k: topology[k] for k in
+    fields = {"address": front.server.address, **{k: topology[k] for k in
               ("mode", "replicas", "ranks_per_replica", "device", "backend", "plugin")}, "pid": os.getpid()}
-    if metrics_http is not None:
-        fields["metrics"] = metrics_http.url
+    if front.metrics_http is not None:
+        fields["metrics"] = front.metrics_http.url
+    if front.door is not None:
+        fields["openpi"] = front.door.url
     print("phyrt ready " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
 
 
-def _stop_handler(server: Any, stop: threading.Event) -> Any:
+def _stop_handler(front: _Front, stop: threading.Event) -> Any:
     def handle(signum: int, frame: Any) -> None:
         if stop.is_set():  # a second signal: no more waiting
             log.warning("%s again: not waiting for in-flight requests", signal.Signals(signum).name)
-            server.skip_drain()
+            front.skip_drain()
             return
         log.info("%s received", signal.Signals(signum).name)
-        server.stop_accepting()
+        front.stop_accepting()
         stop.set()
 
     return handle
 
 
-def _cleanup(engine: Any, server: Any, private_dir: str | None, drain_timeout_s: float,
-             metrics_http: Any = None) -> None:
+def _cleanup(engine: Any, front: _Front, private_dir: str | None, drain_timeout_s: float) -> None:
     try:
-        if server is not None:
-            server.close(drain_timeout_s)
-        elif engine is not None:
-            engine.close()
+        front.close(engine, drain_timeout_s)
     finally:
-        if metrics_http is not None:
-            metrics_http.close()
         if private_dir is not None:
             shutil.rmtree(private_dir, ignore_errors=True)
 

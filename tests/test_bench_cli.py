@@ -22,7 +22,7 @@ def test_help_lists_the_options_and_sections():
     out = subprocess.run([sys.executable, "-m", "bench", "--help"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
-    for word in ("--quick", "--only", "--out", "bench/results", "latency", "lifecycle", "gpu"):
+    for word in ("--quick", "--only", "--out", "bench/results", "latency", "openpi", "lifecycle", "gpu"):
         assert word in out.stdout
 
 
@@ -109,3 +109,32 @@ def test_plots_are_drawn_from_section_data(tmp_path):
     assert drawn == {"latency_vs_size.png", "throughput_vs_replicas.png", "llm_tokens_vs_concurrency.png"}
     for name in drawn:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_openpi_section_ratios_target_and_missing_peer(tmp_path):
+    """The openpi section from made-up samples: ratios against the floor and the client, the target's
+    verdict, and 'not available' rows (no failure) when openpi_client is missing."""
+    from bench import openpi, report
+
+    us = lambda *values: [int(v * 1000) for v in values]  # noqa: E731 - samples are in ns
+    measured = {"small": {openpi.DOOR: us(300, 300, 310), openpi.FLOOR: us(200, 200, 220),
+                          openpi.CLIENT: us(150, 150, 160)},
+                "image": {openpi.DOOR: us(2000), openpi.FLOOR: us(1000), openpi.CLIENT: us(800)}}
+    section = openpi.build_section(measured, None, "made up")
+    by_path = {(row[0], row[1]): row[2:] for row in section.tables[0].rows}
+    small = openpi.OBSERVATIONS[0].title
+    assert by_path[(small, openpi.DOOR)] == ["300", "310", "1.50×", "3"]
+    assert section.tables[1].rows[0] == [small, "1.50×", "1.41×", "2.00×", "1.94×"]
+    assert section.tables[1].rows[1][1:] == ["2.00×", "2.00×", "2.50×", "2.50×"]
+    [target] = section.targets
+    assert target.met is True and target.figure == "1.50× (300 µs / 200 µs)"
+    assert section.data["p50_ns"]["image"][openpi.FLOOR] == 1e6
+
+    missing = "not available: openpi_client does not import (No module named 'openpi_client')"
+    section = openpi.build_section({"small": {openpi.CLIENT: us(150)}}, missing, "made up")
+    rows = {row[1]: row[2:] for row in section.tables[0].rows}
+    assert rows[openpi.DOOR][0] == rows[openpi.FLOOR][0] == missing
+    assert rows[openpi.CLIENT][:2] == ["150", "150"]
+    assert section.targets[0].met is None and section.tables[1].rows[0][1:] == ["n/a"] * 4
+    text = report.render({"command": "python -m bench --only openpi"}, [section])
+    assert "| openpi | openpi door small-observation p50 ≤ 1.5× the protocol's floor | not available" in text

@@ -23,8 +23,9 @@ which writes server.key (public: give it to the clients) and server.key_secret; 
 --curve-secret-key server.key_secret (the public key is derived from it).
 
 Exit status: 0 after a requested stop (SIGINT or SIGTERM, during the start or after),
-1 start-up failure, 2 bad arguments, 3 no replica can serve (every replica failed and
-none is being rebuilt; see --replica-restarts and --keep-serving-unhealthy).
+1 start-up failure (an --openpi-host other than loopback without --openpi-api-key is one),
+2 bad arguments, 3 no replica can serve (every replica failed and none is being rebuilt;
+see --replica-restarts and --keep-serving-unhealthy).
 """
 
 
@@ -94,9 +95,30 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--curve-authorized-clients", default=None, metavar="DIR",
                        help="only clients whose public .key files are in DIR (default: any client with the "
                             "server's public key)")
+    _add_openpi_options(parser)
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                         help="how much phyrt logs to stderr (other libraries log from warning)")
     return parser
+
+
+def _add_openpi_options(parser: argparse.ArgumentParser) -> None:
+    openpi = parser.add_argument_group(
+        "openpi clients",
+        "openpi's websocket policy protocol (openpi_client.WebsocketClientPolicy) on a port of its own,\n"
+        "beside the ZeroMQ address; needs websockets: pip install 'phyrt[openpi]'. The protocol has NO\n"
+        "encryption: observations, results and the API key cross the network in clear.")
+    openpi.add_argument("--openpi-port", type=_port_or_zero, default=None, metavar="PORT",
+                        help="serve openpi clients on ws://HOST:PORT (0: a free port; the ready line gains "
+                             "openpi=ws://HOST:PORT) and GET /healthz on the same port; --max-inflight and "
+                             "--max-message-bytes apply to it too")
+    openpi.add_argument("--openpi-host", default="127.0.0.1", metavar="HOST",
+                        help="interface of the openpi door; any other than loopback only with --openpi-api-key")
+    openpi.add_argument("--openpi-api-key", default=None, metavar="KEY_OR_FILE",
+                        help="the key openpi clients must send (header 'Authorization: Api-Key KEY'), or a file "
+                             "holding it (a file keeps it out of the process list)")
+    openpi.add_argument("--openpi-no-batch-dim", action="store_true",
+                        help="hand observations to the plugin as they come (default: a leading batch dimension "
+                             "of 1 is added to every array, and removed from every array of the result)")
 
 
 def _json(text: str) -> Any:
@@ -138,6 +160,13 @@ def _port(text: str) -> int:
     value = _positive_int(text)
     if value > 65535:
         raise argparse.ArgumentTypeError(f"expected a port in 1..65535, got {text!r}")
+    return value
+
+
+def _port_or_zero(text: str) -> int:
+    value = _non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 0..65535 (0: a free one), got {text!r}")
     return value
 
 
