@@ -4,6 +4,8 @@ Sections (run in this order; ``--only`` picks some):
 
     latency    round trip against payload size (~100 B, 1/16/64 MiB) on phyrt inline and local, the
                bare ZMQ+msgpack and OS pipe floors, pickle over ZMQ, msgpack-numpy over websocket, Ray
+    compute    64 MiB in, a new 64 MiB tensor out (a plugin that computes): inline against a local rank,
+               in memcpys, with minor page faults per call on both sides
     serving    python -m runtime.launch + runtime.client against the floor, pickle REQ/REP and the
                websocket peer: small requests, a 5 MiB image, throughput with 1 and 8 client processes (--quick: 8)
     openpi     openpi's client against phyrt's openpi door, a plain websockets + msgpack_numpy server running
@@ -26,7 +28,7 @@ import argparse
 import os
 import sys
 
-SECTIONS = ("latency", "serving", "openpi", "scaling", "lifecycle", "llm", "gpu")
+SECTIONS = ("latency", "compute", "serving", "openpi", "scaling", "lifecycle", "llm", "gpu")
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -35,6 +37,8 @@ def _runner(name: str):
         from bench.latency import run
     elif name == "serving":
         from bench.frontdoor import run
+    elif name == "compute":
+        from bench.compute import run
     elif name == "openpi":
         from bench.openpi import run
     elif name == "scaling":

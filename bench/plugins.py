@@ -137,3 +137,22 @@ class ImageMeanPolicy(Entry):
 
     def build(self, ctx: Any, plugin_args: Any) -> ImageMeanRunner:
         return ImageMeanRunner()
+
+
+class DoubleRunner:
+    def execute(self, request: dict) -> dict:
+        import torch
+
+        with torch.inference_mode():
+            y = torch.mul(request["x"], 2)  # a new tensor, as a plugin that computes makes
+        return {"y": y}
+
+
+class Double(Entry):
+    """``{"x": tensor}`` -> ``{"y": 2 * x}``: a plugin that computes a new tensor as large as its
+    input (``bench.compute``), where an echo would hand back the request's own memory."""
+
+    name = "bench-double"
+
+    def build(self, ctx: Any, plugin_args: Any) -> DoubleRunner:
+        return DoubleRunner()

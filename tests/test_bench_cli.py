@@ -22,7 +22,7 @@ def test_help_lists_the_options_and_sections():
     out = subprocess.run([sys.executable, "-m", "bench", "--help"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
-    for word in ("--quick", "--only", "--out", "bench/results", "latency", "openpi", "lifecycle", "gpu"):
+    for word in ("--quick", "--only", "--out", "bench/results", "latency", "compute", "openpi", "lifecycle", "gpu"):
         assert word in out.stdout
 
 
@@ -138,3 +138,37 @@ def test_openpi_section_ratios_target_and_missing_peer(tmp_path):
     assert section.targets[0].met is None and section.tables[1].rows[0][1:] == ["n/a"] * 4
     text = report.render({"command": "python -m bench --only openpi"}, [section])
     assert "| openpi | openpi door small-observation p50 ≤ 1.5× the protocol's floor | not available" in text
+
+
+def test_compute_section_counts_page_faults_of_another_process():
+    """The compute section's fault counter reads a process's minor faults from /proc: a child
+    that touches 8 MiB of fresh memory shows at least that many pages more."""
+    import subprocess
+    import sys
+
+    from bench import compute
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.stdin.readline(); "
+                              "b = bytearray(8 << 20); b[::4096] = b'x' * len(b[::4096]); sys.stdin.readline()"],
+                             stdin=subprocess.PIPE, text=True)
+    try:
+        before = compute._rank_faults(child.pid)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert wait_for(lambda: compute._rank_faults(child.pid) - before >= (8 << 20) // 4096, 20)
+        assert compute._rank_faults(None) == 0
+    finally:
+        child.stdin.write("\n")
+        child.stdin.close()
+        child.wait(20)
+
+
+def wait_for(check, timeout: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return check()
