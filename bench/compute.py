@@ -3,7 +3,9 @@
 The latency section's tensor rows echo their request, so the result is the request's own
 shared memory. A plugin that computes (``bench.plugins:Double``, ``y = 2 * x``) makes a new
 tensor, which the rank must place in its result arena and the caller must map: this is the
-case a user has. Paths, interleaved call by call in one process:
+case a user has. Each call also reads one float
+per 4 KiB page of its result, as a caller that uses the result does. Paths, interleaved call
+by call in one process:
 
     memcpy     one numpy.copyto of 64 MiB into a preallocated array (the unit)
     inline     engine.step on an inline engine (the plugin's own cost: one multiply)
@@ -90,9 +92,11 @@ def run(ctx: RunContext) -> Section:
         for engine in (inline, local):
             if not torch.equal(engine.step(request, timeout=120)["y"], x * 2):
                 raise RuntimeError("the Double plugin returned a wrong tensor")
-        calls = {"memcpy": lambda r: np.copyto(dst, r["x"].numpy()),
-                 "inline": lambda r: inline.step(r, timeout=120),
-                 "local": lambda r: local.step(r, timeout=120)}
+        # each call reads one float of every 4 KiB page of its result, as a caller that uses it
+        # does: a result in memory mapped afresh would fault here, in this process
+        calls = {"memcpy": lambda r: float(np.copyto(dst, r["x"].numpy()) or dst[::1024].sum()),
+                 "inline": lambda r: float(inline.step(r, timeout=120)["y"][::1024].sum()),
+                 "local": lambda r: float(local.step(r, timeout=120)["y"][::1024].sum())}
         ctx.progress(f"compute: {n} calls per path, interleaved")
         samples = _measure(calls, rank_pid, n, request)
     memcpy, inline_ns, local_ns = (p50(samples[k]["ns"]) for k in ("memcpy", "inline", "local"))
