@@ -572,3 +572,21 @@ def test_a_client_with_the_right_keys_is_served_beside_refused_ones(curve_echo):
             refused.call({"x": 2}, timeout=30)
         assert [client.submit({"x": i}) for i in range(20)][-1].result(30) == {"x": 19}
         assert client.ping() < HANDSHAKE_BOUND_S
+
+
+def test_a_key_file_whose_path_is_40_characters_long_is_read_as_a_file(tmp_path, monkeypatch):
+    """A z85 key is 40 characters; so may be a key file's path: the file wins, a key stays a key."""
+    import zmq
+    import zmq.auth
+
+    from runtime.transport.endpoints import load_key
+
+    public_file, secret_file = zmq.auth.create_certificates(str(tmp_path), "s")
+    public, secret = zmq.auth.load_certificate(secret_file)
+    monkeypatch.chdir(tmp_path)  # a relative path of exactly 40 characters
+    name = "x" * (40 - len(".key_secret")) + ".key_secret"
+    os.replace(secret_file, name)
+    assert len(name) == 40
+    assert load_key(name, secret=True) == secret
+    assert load_key(secret.decode(), secret=True) == secret  # a key given as text
+    assert zmq.curve_public(load_key(name, secret=True)) == public

@@ -27,11 +27,12 @@ class CurveKeys:
 
 
 def load_key(value: str | bytes | None, secret: bool) -> bytes | None:
-    """A CURVE key: 40 z85 characters, or a key file of ``zmq.auth.create_certificates``."""
+    """A CURVE key: 40 z85 characters, or a key file of ``zmq.auth.create_certificates``
+    (a file wins: its path may be 40 characters long too)."""
     if value is None:
         return None
     raw = value.encode() if isinstance(value, str) else bytes(value)
-    if len(raw) == 40:
+    if len(raw) == 40 and not os.path.isfile(raw):
         return raw
     import zmq.auth
 
