@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 from bench.common import (RunContext, Section, Table, Target, exit_with_parent, fmt_us, join_or_kill, p50, p99,
                           ratio, timed)
+from bench.peers import serve_websocket
 from bench.serving import LaunchedServer
 
 OBS_DIM = 32
@@ -104,13 +105,11 @@ def _unbatched(obj: Any, torch: Any) -> Any:
 def _floor_server(plugin: str, plugin_args: Any, conn: Any) -> None:
     """openpi's server loop around the plugin's own runner, on 127.0.0.1 (a free port, sent on ``conn``)."""
     exit_with_parent()
-    import asyncio
     import warnings
 
     import numpy as np
     import torch
     from openpi_client import msgpack_numpy
-    from websockets.asyncio.server import serve
 
     from runtime import BuildContext, ParallelConfig
     from runtime.core.plugins import resolve_plugin
@@ -139,13 +138,7 @@ def _floor_server(plugin: str, plugin_args: Any, conn: Any) -> None:
                 answer = f"{type(exc).__name__}: {exc}"
             await ws.send(answer)
 
-    async def main() -> None:
-        async with serve(handler, "127.0.0.1", 0, max_size=None, compression=None) as server:
-            conn.send(server.sockets[0].getsockname()[1])
-            conn.close()
-            await asyncio.Future()  # until terminated
-
-    asyncio.run(main())
+    serve_websocket(handler, conn)
 
 
 class FloorServer:

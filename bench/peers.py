@@ -73,13 +73,20 @@ def _websocket_echo_server(conn: Any) -> None:
     """An asyncio websockets server on 127.0.0.1 (a free port, sent back on ``conn``) that
     decodes each message with msgpack-numpy and sends its re-encoding back."""
     exit_with_parent()
-    import asyncio
-
-    from websockets.asyncio.server import serve
 
     async def handler(ws: Any) -> None:
         async for message in ws:
             await ws.send(packb(unpackb(message)))
+
+    serve_websocket(handler, conn)
+
+
+def serve_websocket(handler: Any, conn: Any) -> None:
+    """Serve ``handler`` with asyncio websockets on 127.0.0.1, a free port sent on ``conn``,
+    until the process is terminated (no compression, no size limit)."""
+    import asyncio
+
+    from websockets.asyncio.server import serve
 
     async def main() -> None:
         async with serve(handler, "127.0.0.1", 0, max_size=None, compression=None) as server:

@@ -233,8 +233,8 @@ class RestartController:
             self._stop.set()
 
     def join(self) -> None:
-        """After ``stop()``: wait for the threads; a start under way ends first (it cannot be
-        interrupted) and its supervisor is closed at once."""
+        """After ``stop()``: wait for the threads; a start under way sees the stop event and
+        abandons itself, closing what it started."""
         self._watch.join(self._join_s)
         with self._lock:
             threads = list(self._threads)
