@@ -8,11 +8,16 @@ Sections (run in this order; ``--only`` picks some):
                in memcpys, with minor page faults per call on both sides
     serving    python -m runtime.launch + runtime.client against the floor, pickle REQ/REP and the
                websocket peer: small requests, a 5 MiB image, throughput with 1 and 8 client processes (--quick: 8)
+    fleet      Client([a, b]) over two servers against Client(a): the routing client's cost per request,
+               requests/s from 1 and 8 client processes (--quick: 8) with 1 and 2 servers
+    cpp        the C++ client (examples/cpp/client_call) against runtime.client and the bare ZMQ+msgpack
+               echo floor: small-request round trip, p50 and p99
     openpi     openpi's client against phyrt's openpi door, a plain websockets + msgpack_numpy server running
                the same plugin (the protocol's floor) and runtime.client: a 32-float and a 640x480 image observation
     scaling    throughput of a compute-bound plugin on 1 and 2 replicas
     lifecycle  engine start-up (2-rank local replica) against bare spawn + gloo; failure detection
                after SIGKILL and SIGSTOP of a rank with a request in flight
+    collectives  all-reduce of 4 KiB and 4 MiB between 2 CPU ranks: shared memory against gloo
     llm        qwen3 plugin against transformers.generate: tokens/s against concurrency
     gpu        CUDA-IPC of 1 GiB from a local rank, qwen3 decode on CUDA (skipped without CUDA)
 
@@ -28,7 +33,7 @@ import argparse
 import os
 import sys
 
-SECTIONS = ("latency", "compute", "serving", "openpi", "scaling", "lifecycle", "llm", "gpu")
+SECTIONS = ("latency", "compute", "serving", "fleet", "cpp", "openpi", "scaling", "lifecycle", "collectives", "llm", "gpu")
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -39,12 +44,18 @@ def _runner(name: str):
         from bench.frontdoor import run
     elif name == "compute":
         from bench.compute import run
+    elif name == "fleet":
+        from bench.fleet import run
+    elif name == "cpp":
+        from bench.cpp import run
     elif name == "openpi":
         from bench.openpi import run
     elif name == "scaling":
         from bench.scaling import run_scaling as run
     elif name == "lifecycle":
         from bench.scaling import run_lifecycle as run
+    elif name == "collectives":
+        from bench.collectives import run
     elif name == "llm":
         from bench.generation import run
     elif name == "gpu":

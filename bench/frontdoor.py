@@ -91,15 +91,22 @@ def run(ctx: RunContext) -> Section:
         ctx.progress(f"serving: {math.prod(sv.IMAGE_SHAPE) / 2**20:.1f} MiB image, {n_image} round trips per "
                      f"phyrt path, {n_image // 2} for pickle and websocket")
         image = sv.measure_image(image_paths, lambda m: ctx.progress(f"serving: {m}"))
-        load_rows = []
-        for kind, label, address in (("floor", floor.label, floor_address), ("phyrt", shm.label, ipc.address)):
-            for clients in sv.LOAD_CLIENTS[-1:] if ctx.quick else sv.LOAD_CLIENTS:
+        load_rows = []  # (label, clients, requests/s, latencies, client CPU µs/request, server CPU µs/request)
+        counts = sv.LOAD_CLIENTS[1:] if ctx.quick else sv.LOAD_CLIENTS
+        for kind, label, address, server_pids in (("floor", floor.label, floor_address, {procs[0].pid}),
+                                                  ("phyrt", shm.label, ipc.address, ipc.pids())):
+            for clients in counts:
                 ctx.progress(f"serving: throughput, {label}, {clients} client process(es), {load_s:g} s")
-                rate, lat = sv.measure_load(mp, kind, address, clients, load_s, ctx.pids)
-                load_rows.append((label, f"{clients} process{'es' if clients > 1 else ''}", rate, list(lat)))
-        ctx.progress(f"serving: throughput, phyrt, 1 client, {sv.PIPELINE_DEPTH} in flight, {load_s:g} s")
+                load = sv.measure_load(mp, kind, address, clients, load_s, ctx.pids, server_pids)
+                load_rows.append((label, f"{clients} process{'es' if clients > 1 else ''}", load.rate,
+                                  list(load.latencies), load.client_us, load.server_us))
+        ctx.progress(f"serving: throughput, phyrt, 1 client here, one at a time then {sv.PIPELINE_DEPTH} in "
+                     f"flight, {load_s:g} s each")
+        one_rate = sv.measure_one_at_a_time(shm.client, load_s)
         rate, lat = sv.measure_pipelined(shm.client, load_s)
-        load_rows.append((shm.label, f"1, {sv.PIPELINE_DEPTH} in flight (`submit`)", rate, list(lat)))
+        load_rows.append((shm.label, "1 here, one at a time (`call`)", one_rate, [], None, None))
+        load_rows.append((shm.label, f"1 here, {sv.PIPELINE_DEPTH} in flight (`submit`)", rate, list(lat), None,
+                          None))
         ctx.progress("serving: stopping servers and clients")
 
     image_mib = math.prod(sv.IMAGE_SHAPE) / 2**20
@@ -111,8 +118,10 @@ def run(ctx: RunContext) -> Section:
         "small_p50_ns": {k: p50(v) for k, v in small.items()},
         "small_p99_ns": {k: p99(v) for k, v in small.items()},
         "image_p50_ns": {k: p50(v) for k, v in image.items()},
-        "throughput": [{"path": label, "clients": clients, "requests_per_s": rate, "p50_ns": p50(lat),
-                        "p99_ns": p99(lat)} for label, clients, rate, lat in load_rows],
+        "throughput": [{"path": label, "clients": clients, "requests_per_s": rate,
+                        "p50_ns": p50(lat) if lat else None, "p99_ns": p99(lat) if lat else None,
+                        "client_cpu_us": client_us, "server_cpu_us": server_us}
+                       for label, clients, rate, lat, client_us, server_us in load_rows],
     }
     base = p50(small[floor.label])
     section.tables.append(Table(
@@ -137,15 +146,7 @@ def run(ctx: RunContext) -> Section:
          "interleaved call by call. phyrt over `ipc://` places the image in shared memory both ways; `tcp://` "
          "sends it as a raw frame; pickle sends it with `send_pyobj`; the websocket peer as msgpack `bin` "
          "(`tobytes`). memcpy: `np.copyto` into a preallocated array, in this process."]))
-    section.tables.append(Table(
-        "Throughput, small requests", ["path", "clients", "requests/s", "p50 µs", "p99 µs"],
-        [[label, clients, f"{rate:,.0f}", fmt_us(p50(lat)), fmt_us(p99(lat))] for label, clients, rate, lat
-         in load_rows],
-        [("--quick: only the largest client count. " if ctx.quick else "") +
-         f"Closed loops of the small request for {load_s:g} s in N spawned client processes (each its own client "
-         "and socket, started together after 50 warm-up calls each): requests/s = all completed / the longest "
-         f"loop; latency percentiles over all their calls. Pipelined: one client here keeping "
-         f"{sv.PIPELINE_DEPTH} `submit` futures in flight."]))
+    section.tables.append(_throughput_table(load_rows, ctx.quick, load_s))
     phyrt, floor_p50 = p50(small[shm.label]), base
     small_ratio = phyrt / floor_p50
     speedup = pickle_p50 / p50(image[shm.label])
@@ -156,6 +157,52 @@ def run(ctx: RunContext) -> Section:
         Target(f"{image_mib:.0f} MiB same-host image ≥ {sv.TARGET_IMAGE_SPEEDUP:g}× faster than pickle over ZMQ",
                f"{speedup:.1f}× ({fmt_ms(pickle_p50)} ms / {fmt_ms(p50(image[shm.label]))} ms)",
                speedup >= sv.TARGET_IMAGE_SPEEDUP),
-    ]
+    ] + _throughput_targets(load_rows, floor.label, shm.label)
     return section
+
+
+def _us_or_blank(us: float | None) -> str:
+    return "" if us is None else f"{us:,.0f}"
+
+
+def _throughput_table(load_rows: list, quick: bool, load_s: float) -> Table:
+    from bench import serving as sv
+
+    return Table(
+        "Throughput, small requests",
+        ["path", "clients", "requests/s", "p50 µs", "p99 µs", "client CPU µs/request", "server CPU µs/request"],
+        [[label, clients, f"{rate:,.0f}", fmt_us(p50(lat)) if lat else "", fmt_us(p99(lat)) if lat else "",
+          _us_or_blank(client_us), _us_or_blank(server_us)]
+         for label, clients, rate, lat, client_us, server_us in load_rows],
+        [("--quick: no 1-process rows. " if quick else "") +
+         f"Closed loops of the small request for {load_s:g} s in N spawned client processes (each its own client "
+         "and socket, started together after 50 warm-up calls each): requests/s = all completed / the longest "
+         "loop; latency percentiles over all their calls. CPU per request: the user + system CPU time the "
+         "client processes (all their threads) and the server's processes used during the loops, divided by the "
+         "requests completed; on 2 cores their sum bounds the rate. The last two rows: one client in this "
+         f"process, first calling one request at a time, then keeping {sv.PIPELINE_DEPTH} `submit` futures in "
+         "flight, each for the same time."])
+
+
+def _throughput_targets(load_rows: list, floor_label: str, phyrt_label: str) -> list[Target]:
+    from bench import serving as sv
+
+    rate = {(label, clients): r for label, clients, r, *_ in load_rows}
+    floor8, phyrt8, phyrt24 = (rate.get((floor_label, "8 processes")), rate.get((phyrt_label, "8 processes")),
+                               rate.get((phyrt_label, "24 processes")))
+    one, piped = rate[(phyrt_label, "1 here, one at a time (`call`)")], rate[
+        (phyrt_label, f"1 here, {sv.PIPELINE_DEPTH} in flight (`submit`)")]
+    targets = [Target(f"{sv.PIPELINE_DEPTH} `submit`s in flight ≥ {sv.TARGET_PIPELINED:g}× one at a time, one client",
+                      f"{piped / one:.2f}× ({piped:,.0f} / {one:,.0f} requests/s)",
+                      piped / one >= sv.TARGET_PIPELINED)]
+    if floor8 and phyrt8:
+        targets.insert(0, Target(
+            f"8 client processes ≥ {sv.TARGET_LOAD_VS_FLOOR:g}× the bare ZMQ echo's requests/s with 8",
+            f"{phyrt8 / floor8:.2f}× ({phyrt8:,.0f} / {floor8:,.0f} requests/s)",
+            phyrt8 / floor8 >= sv.TARGET_LOAD_VS_FLOOR))
+    if phyrt8 and phyrt24:
+        targets.insert(1, Target(
+            f"24 client processes hold ≥ {sv.TARGET_24_VS_8:g}× the requests/s of 8",
+            f"{phyrt24 / phyrt8:.2f}× ({phyrt24:,.0f} / {phyrt8:,.0f} requests/s)", phyrt24 / phyrt8 >= sv.TARGET_24_VS_8))
+    return targets
 

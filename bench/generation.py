@@ -9,7 +9,8 @@ request (EOS ignored):
     transformers, hand-batched           the c prompts in one ``generate`` call (equal lengths, no
                                          padding): its best case, when every prompt is known together
     qwen3 tp=1 (inline engine)           c requests submitted at once (continuous batching)
-    qwen3 tp=2 (local, 2 gloo ranks)     the same (full runs only)
+    qwen3 tp=2 (local, 2 CPU ranks)      the same (full runs only); the ranks' collectives go through
+                                         shared memory (``runtime.parallel.shm_collectives``)
 
 The helpers take a device, so that ``bench.gpu`` runs the same paths on CUDA.
 """
@@ -25,6 +26,7 @@ from typing import Any
 from bench.common import RunContext, Section, Table, Target, p50
 
 HF_ONE, HF_BATCH = "transformers, one call per request", "transformers, c prompts hand-batched in one call"
+TP1, TP2 = "qwen3 tp=1 (inline engine)", "qwen3 tp=2 (local, 2 CPU ranks, shared-memory collectives)"
 
 
 def hf_generate(model: Any, batch: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -112,17 +114,19 @@ def run(ctx: RunContext) -> Section:
         ctx.progress("llm: starting the qwen3 engine" + ("" if ctx.quick else "s (tp=1 inline, tp=2 local)"))
         if ctx.quick:
             plugin_args = {"model": str(path), "max_num_seqs": max(levels), "kv_cache_blocks": 256}
-            engines = {"qwen3 tp=1 (inline engine)": stack.enter_context(Engine(EngineArgs("qwen3", plugin_args)))}
+            engines = {TP1: stack.enter_context(Engine(EngineArgs("qwen3", plugin_args)))}
         else:
             started = llm.start_engines(path, stack)
-            engines = {"qwen3 tp=1 (inline engine)": started["tp=1"], "qwen3 tp=2 (local, 2 gloo ranks)":
-                       started["tp=2"]}
+            engines = {TP1: started["tp=1"], TP2: started["tp=2"]}
         ctx.progress("llm: warm-up (one single-prompt generate, one request per engine)")
         hf_generate(hf.model, batch[:1], new_tokens)
         for engine in engines.values():
             engine_generate(engine, batch[:1], new_tokens)
         paths = build_paths(hf.model, engines, batch, levels, singles, new_tokens)
         rates, mismatched = measure(paths, (HF_BATCH, max(levels)), rounds, lambda m: ctx.progress(f"llm: {m}"))
+        from bench.llm_stream import stream_table  # TTFT and ITL, streamed (its servers close the engines)
+
+        streaming = stream_table(engines, batch, new_tokens, ctx.quick, ctx.progress)
     import torch
 
     method = [f"`bench.llm`'s random Qwen3 ({params / 1e6:.0f}M parameters, fp32, CPU, torch "
@@ -136,8 +140,32 @@ def run(ctx: RunContext) -> Section:
               "(first round)."]
     table, section.data = tables(rates, mismatched, levels, method, "Tokens per second against concurrency (CPU)")
     section.tables.append(table)
+    section.tables.append(streaming)
     ours = p50(rates[("qwen3 tp=1 (inline engine)", max(levels))]) / p50(rates[(HF_ONE, 1)])
     section.targets.append(Target(
         f"qwen3 tp=1 serving {max(levels)} concurrent requests ≥ {llm.TARGET_RATIO:g}× transformers serving them "
         "(one generate call per request)", f"{ours:.2f}×", ours >= llm.TARGET_RATIO))
+    section.targets += decode_targets({key: p50(v) for key, v in rates.items()}, max(levels))
     return section
+
+
+#: issue 18's targets: (numerator path, its concurrency, denominator path, its concurrency, at least)
+DECODE_TARGETS = (
+    (TP1, 1, HF_ONE, 1, 1.1),
+    (TP1, 16, HF_BATCH, 16, 1.5),
+    (TP2, 16, TP1, 16, 0.85),
+    (TP2, 1, TP1, 1, 0.7),
+)
+
+
+def decode_targets(med: dict[tuple[str, int], float], top: int) -> list[Target]:
+    """Issue 18's decode targets that this run measured (tp=2 only in full runs)."""
+    out = []
+    for path, c, base, c_base, least in DECODE_TARGETS:
+        c, c_base = min(c, top), min(c_base, top)
+        if (path, c) in med and (base, c_base) in med:
+            ratio = med[(path, c)] / med[(base, c_base)]
+            where = "one request at a time" if c == 1 else f"{c} concurrent requests"
+            out.append(Target(f"{path}, {where} ≥ {least:g}× {base}" + ("" if base == HF_ONE else f" at {c_base}"),
+                              f"{ratio:.2f}×", ratio >= least))
+    return out

@@ -68,7 +68,12 @@ IMAGE_SHAPE = (1080, 1620, 3)
 MIB = 1 << 20
 ROUNDS = 5
 PIPELINE_DEPTH = 32
-LOAD_CLIENTS = (1, 8)
+LOAD_CLIENTS = (1, 8, 24)
+#: issue 15's throughput targets: 8 client processes >= this x the floor's 8; 24 >= this x phyrt's 8;
+#: PIPELINE_DEPTH submits in flight >= this x the same client's one-at-a-time rate
+TARGET_LOAD_VS_FLOOR = 0.5
+TARGET_24_VS_8 = 0.85
+TARGET_PIPELINED = 1.5
 REPLY_TIMEOUT_S = 60.0
 START_TIMEOUT_S = 120.0
 TARGET_SMALL_RATIO = 2.0
@@ -294,7 +299,8 @@ def measure_image(paths: list[tuple[Any, int]], progress: Progress) -> dict[str,
 
 
 def _load_worker(kind: str, address: str, duration_s: float, barrier: Any, conn: Any) -> None:
-    """One client process: warm up, wait for the others, then a closed loop for ``duration_s``."""
+    """One client process: warm up, wait for the others, then a closed loop for ``duration_s``;
+    sends back (elapsed ns, latencies, CPU seconds this process used in the loop)."""
     exit_with_parent()
     zctx = zmq.Context(1)
     path = _open_path(kind, address, zctx)
@@ -303,21 +309,45 @@ def _load_worker(kind: str, address: str, duration_s: float, barrier: Any, conn:
         barrier.wait(START_TIMEOUT_S)
         samples = array("q")
         clock = time.perf_counter_ns
+        cpu = _cpu_s(psutil.Process())
         start = clock()
         end = start + int(duration_s * 1e9)
         while clock() < end:
             _timed(path.call, SMALL_REQUEST, 1, samples)
-        conn.send((clock() - start, samples.tobytes()))
+        conn.send((clock() - start, samples.tobytes(), _cpu_s(psutil.Process()) - cpu))
     finally:
         path.close()
         zctx.term()
         conn.close()
 
 
+def _cpu_s(process: psutil.Process) -> float:
+    """CPU seconds (user + system) ``process`` used so far, all its threads."""
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def _cpu_of(pids: set[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += _cpu_s(psutil.Process(pid))
+    return total
+
+
+class Load:
+    """What ``measure_load`` measured: requests/s, every latency, and the CPU microseconds per
+    request that the client processes and the server processes (``server_pids``) used."""
+
+    def __init__(self, rate: float, latencies: array, client_us: float, server_us: float | None) -> None:
+        self.rate, self.latencies, self.client_us, self.server_us = rate, latencies, client_us, server_us
+
+
 def measure_load(mp: Any, kind: str, address: str, clients: int, duration_s: float,
-                 pids: set[int]) -> tuple[float, array]:
-    """Requests per second over all ``clients`` processes, and every latency they saw."""
-    barrier = mp.Barrier(clients)
+                 pids: set[int], server_pids: set[int] | None = None) -> Load:
+    """Closed loops in ``clients`` processes: requests per second over all of them, every latency
+    they saw, and the CPU per request of the clients and (given their pids) of the servers."""
+    barrier = mp.Barrier(clients + 1)  # this process too: the servers' CPU is read from the start
     pipes, procs = [], []
     try:
         for i in range(clients):
@@ -329,21 +359,37 @@ def measure_load(mp: Any, kind: str, address: str, clients: int, duration_s: flo
             there.close()
             pipes.append(here)
             procs.append(proc)
-        latencies, elapsed = array("q"), []
+        barrier.wait(START_TIMEOUT_S + 60)
+        server_cpu = _cpu_of(server_pids or set())
+        latencies, elapsed, client_cpu = array("q"), [], 0.0
         for here, proc in zip(pipes, procs):
             if not here.poll(START_TIMEOUT_S + duration_s + REPLY_TIMEOUT_S):
                 raise RuntimeError(f"{proc.name} sent no result (exit code {proc.exitcode})")
-            took, raw = here.recv()
+            took, raw, cpu = here.recv()
             elapsed.append(took)
+            client_cpu += cpu
             chunk = array("q")
             chunk.frombytes(raw)
             latencies.extend(chunk)
-        return len(latencies) / (max(elapsed) / 1e9), latencies
+        server_cpu = _cpu_of(server_pids) - server_cpu if server_pids else None
+        n = max(1, len(latencies))
+        return Load(len(latencies) / (max(elapsed) / 1e9), latencies, client_cpu / n * 1e6,
+                    None if server_cpu is None else server_cpu / n * 1e6)
     finally:
         for proc in procs:
             _join(proc)
         for here in pipes:
             here.close()
+
+
+def measure_one_at_a_time(client: Client, duration_s: float) -> float:
+    """One client calling in a closed loop, one request at a time: requests per second."""
+    done, end = 0, time.perf_counter() + duration_s
+    start = time.perf_counter()
+    while time.perf_counter() < end:
+        client.call(SMALL_REQUEST, timeout=REPLY_TIMEOUT_S)
+        done += 1
+    return done / (time.perf_counter() - start)
 
 
 def measure_pipelined(client: Client, duration_s: float) -> tuple[float, array]:
@@ -564,7 +610,8 @@ def run(args: argparse.Namespace, progress: Progress, workdir: str, logdir: str,
     for kind, label, address in (("floor", floor.label, echo_address), ("phyrt", "phyrt Client ipc://", ipc.address)):
         for clients in LOAD_CLIENTS:
             progress(f"throughput: {label}, {clients} client process(es), {load_s:g} s")
-            rate, lat = measure_load(mp, kind, address, clients, load_s, pids)
+            load = measure_load(mp, kind, address, clients, load_s, pids)
+            rate, lat = load.rate, load.latencies
             rows.append((label, f"{clients} process{'es' if clients > 1 else ''}", rate, lat))
     progress(f"throughput: phyrt, 1 client, {PIPELINE_DEPTH} in flight, {load_s:g} s")
     rate, lat = measure_pipelined(phyrt_shm.client, load_s)

@@ -26,6 +26,7 @@ _EXPORTS = {
     "Entry": "runtime.core.plugins",
     "BuildContext": "runtime.core.plugins",
     "register_plugin": "runtime.core.plugins",
+    "Partial": "runtime.core.plugins",
     "EngineUnavailableError": "runtime.core.errors",
     "WorkerStartupError": "runtime.core.errors",
     "ProtocolError": "runtime.core.errors",

@@ -10,8 +10,15 @@ Everything that can be checked before a process starts is checked in the caller,
 in this order: the plugin resolves, ``configure(plugin_args)``,
 ``validate_parallel(parallel)``, the deployment's mode and device placement.
 
+``stream(request)`` submits the request as a stream (``runtime.execution.streams``): the
+replica's runner may send chunks before its last one (see ``runtime.core.plugins``);
+``submit_stream`` is the same with a callback instead of an iterator (the server's way).
+
 A local deployment with ``replica_restarts`` rebuilds failed replicas in the background
 (``runtime.execution.restarts``); ``replicas`` and ``can_serve`` then report rebuilds.
+
+``empty(shape, dtype)`` gives a tensor where the replica's transport reads it directly (a
+local replica's request shared memory), so that a large input crosses with no copy.
 
 ``step`` submits inside ``runtime.transport.reader.expect_wait()``: the thread announces
 that it waits next, and a local replica's channel may let it read its own answer. A
@@ -23,7 +30,7 @@ from __future__ import annotations
 
 import weakref
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from runtime.core.config import DeploymentConfig, EngineArgs
 from runtime.execution.dispatcher import RequestDispatcher
@@ -35,6 +42,7 @@ from runtime.transport.reader import expect_wait
 if TYPE_CHECKING:
     from runtime.execution.inline import IdleRunner
     from runtime.execution.restarts import RestartController, Starter
+    from runtime.execution.streams import Stream, StreamCall
 
 __all__ = ["Engine", "ReplicaStatus"]
 
@@ -128,6 +136,68 @@ class Engine:
             raise EngineUnavailableError("the engine is closed")
         self._entry.validate_request(request)
         return self._dispatcher.submit(request)
+
+    def stream(self, request: Any, timeout: float | None = None) -> Stream:
+        """Run ``request`` as a stream: an iterator of its chunks, as the plugin makes them.
+
+        Validation errors and ``EngineUnavailableError`` are raised here. ``timeout``
+        (seconds) bounds the whole stream (``TimeoutError`` from ``next``). Leaving early
+        (``break`` inside ``with``, ``close()``, or dropping the iterator) cancels the
+        request; a replica that fails meanwhile ends it with ``EngineUnavailableError``.
+        A plugin that does not stream gives one chunk: its result.
+        """
+        from runtime.execution.streams import Stream
+
+        if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
+            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        stream = Stream(timeout)
+        return stream.start(self._submit_call(request, stream.call))
+
+    def submit_stream(self, request: Any, on_chunk: Callable[[Any], None]) -> StreamCall:
+        """Submit ``request`` as a stream: ``on_chunk(chunk)`` for each chunk but the last (called
+        from the engine's thread: it must not block), ``.future`` for the last chunk, ``.cancel()``."""
+        from runtime.execution.streams import StreamCall
+
+        call = StreamCall(on_chunk)
+        call.future = self._submit_call(request, call)
+        return call
+
+    def _submit_call(self, request: Any, call: StreamCall) -> Future:
+        if not self._finalizer.alive:
+            raise EngineUnavailableError("the engine is closed")
+        self._entry.validate_request(request)
+        return self._dispatcher.submit(request, call)
+
+    def empty(self, shape: Any, dtype: Any = None) -> Any:
+        """A new, uninitialised CPU tensor placed where this engine's transport reads it.
+
+        On a local replica it lies in that replica's request shared memory: a request that
+        carries it (or a contiguous slice of it) reaches the ranks with no copy. Inline (and
+        under torchrun) it is an ordinary tensor, which those modes read as it is. ``dtype``:
+        a ``torch.dtype``, float32 when None.
+
+        Ownership. The tensor is yours: write it, send it in any number of requests, keep it
+        for as long as you like. Its memory goes back to the engine's pool once you dropped
+        every reference to it *and* every request that carried it was answered, whichever
+        comes last; it stays valid after ``close()``. Do not write it while a request that
+        carries it runs: the ranks read the very memory you write, so they may see the new
+        values, the old ones or a mix (never freed memory). A tensor from another engine or
+        a closed one is copied as any other tensor. With several replicas it is placed in the
+        replica the next request would go to; a request routed to another replica copies it.
+        """
+        import torch
+
+        if not self._finalizer.alive:
+            raise EngineUnavailableError("the engine is closed")
+        dims = (shape,) if isinstance(shape, int) and not isinstance(shape, bool) else shape
+        if not isinstance(dims, (tuple, list, torch.Size)) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+            raise ValueError(f"shape must be an int or a sequence of ints >= 0, got {shape!r}")
+        if dtype is None:
+            dtype = torch.float32
+        if not isinstance(dtype, torch.dtype) or dtype.is_complex:
+            raise TypeError(f"dtype must be a real torch.dtype, got {dtype!r}")
+        return self._dispatcher.empty(tuple(dims), dtype)
 
     def inline_runner(self) -> IdleRunner | None:
         """The one inline replica's ``IdleRunner`` (runs a request in the calling thread when

@@ -4,6 +4,8 @@
       output rank's result -> taken (completed in after_poll, after the bookkeeping)
       every rank answered  -> finished: its request-arena blocks are freed, their names unlinked
       a rank's error       -> the group fails (a dead peer, if any, is blamed)
+      output rank's "partial" {id, chunk} of a stream -> chunks taken (delivered in after_poll,
+                               before the results: a stream's chunks come before its last one)
     "ready" / "startup_error" -> Startup
     result views garbage-collected -> group.frees -> "free" {blocks} --> the rank that placed them
 
@@ -40,7 +42,7 @@ from supervisor.groups import GroupState, PendingRequest, RankState, recv_from_r
 
 log = logging.getLogger("phyrt.supervisor")
 
-_WORKER_TYPES = frozenset({"ready", "startup_error", "done"})
+_WORKER_TYPES = frozenset({"ready", "startup_error", "done", "partial"})
 _POLLIN = int(zmq.POLLIN)
 #: how long a rank's error that reads like a lost peer waits for a peer's death to show
 PEER_DEATH_GRACE_S = 0.2
@@ -61,13 +63,14 @@ class AnswerReader:
         self._peers = {f"c-{g.index}-{r.rank}".encode(): (g, r) for g in groups for r in g.ranks}
         self._unlinked: set[str] = set()  # result segments whose names are already gone
         self._ready: list[tuple[Future, Any]] = []  # results taken, to complete in after_poll
+        self._chunks: list[tuple[Any, Any]] = []  # (StreamCall, chunk) taken, to deliver in after_poll
         self._finished: list[tuple[GroupState, PendingRequest]] = []  # every rank answered
         self._others_due = False  # the last message taken was an answer that others' answers follow
 
     def fail(self, group: GroupState, reason: str, cause: BaseException | None = None, *,
              defer: bool = False) -> None:
         """``Failures.fail``, after completing the answers this thread took (if it reads)."""
-        if (self._ready or self._finished) and self._role.held_here():
+        if (self._ready or self._finished or self._chunks) and self._role.held_here():
             self.complete()  # answers that came in first win, as they would have unbatched
         self._failures.fail(group, reason, cause, defer=defer)
 
@@ -82,12 +85,16 @@ class AnswerReader:
         """The reader's bookkeeping after each poll: blocks back to the ranks, futures completed."""
         if self.frees_waiting():
             self.send_frees()
-        if self._ready or self._finished:
+        if self._ready or self._finished or self._chunks:
             self.complete()
 
     def complete(self) -> None:
-        """Complete the futures of the answers taken, then free the blocks of the requests
-        that every rank answered."""
+        """Deliver the stream chunks taken, complete the futures of the answers taken, then free
+        the blocks of the requests that every rank answered."""
+        if self._chunks:
+            chunks, self._chunks = self._chunks, []
+            for stream, chunk in chunks:
+                stream.put(chunk)
         ready, self._ready = self._ready, []
         for future, result in ready:
             resolve(future, result=result)
@@ -152,6 +159,12 @@ class AnswerReader:
         kind = msg["type"]
         if kind == "done":
             self._request_done(group, r, msg)
+        elif kind == "partial":
+            pending = group.pending.get(msg["id"])
+            if r.rank != 0 or pending is None or pending.stream is None:
+                raise ProtocolError(f"rank {r.rank} sent a chunk of request {msg['id']!r}, not a stream "
+                                    "of its output rank in flight")
+            self._chunks.append((pending.stream, msg.get("chunk")))
         elif kind == "ready":
             self._startup.rank_ready(r, msg.get("segments"), self.unlink_mapped)
         else:  # startup_error

@@ -17,6 +17,12 @@ else the watch thread (``supervisor.watch``). Its ``lock`` is the submit lock to
 pending requests (``answers_due``) and the holder change together. When the ranks leave
 this process a core, the reading caller polls for ``budget_ns("caller")`` before it sleeps.
 
+Streams: a request submitted with a ``StreamCall`` goes out as a "request" with ``stream:
+true`` (each rank admits it through its runner's ``add_stream``); the output rank's "partial"
+chunks reach the call (``supervisor.answers``). Its cancel hook sends "cancel" {id} down
+every inbox of the group, behind the request itself (one PUSH per rank keeps the order),
+while the request is still pending; an inbox that cannot take it belongs to a dying rank.
+
 Invariants:
 - A request is registered as pending before it is sent, so its "done" can never arrive
   first; its clock starts at submission (``execution_timeout_s``); a deadline earlier than
@@ -30,6 +36,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from concurrent.futures import Future
@@ -94,19 +101,22 @@ class RequestChannel:
     def new_future(self) -> ChannelFuture:
         return ChannelFuture(self.role, self.read)
 
-    def submit(self, replica: int, request: Any, future: Future) -> None:
-        """Send ``request`` to every rank of ``replica``; ``future`` gets the output rank's answer."""
+    def submit(self, replica: int, request: Any, future: Future, stream: Any = None) -> None:
+        """Send ``request`` to every rank of ``replica``; ``future`` gets the output rank's answer,
+        ``stream`` (a ``StreamCall``, for a streamed request) its chunks before that."""
         group = self._groups[replica]
         if group.failed is not None:
             raise EngineUnavailableError(f"replica {group.engine_replica} is not serving: {group.failed}")
         request_id = next(self._ids)
-        payload, placed = self._encode(group, request_id, request)
+        payload, placed = self._encode(group, request_id, request, stream is not None)
         deadline = None if self._timeout_s is None else time.monotonic() + self._timeout_s
-        pending = PendingRequest(future, deadline, placed)
+        pending = PendingRequest(future, deadline, placed, stream)
         give_up = time.monotonic() + INBOX_GRACE_S
         while True:
             unreachable, sent = self._send(group, request_id, pending, payload)
             if not unreachable:
+                if stream is not None:
+                    stream.bind_cancel(functools.partial(self.cancel, replica, request_id))
                 return
             # outside the lock: the watch thread may need it to fail this group meanwhile
             wait_s = max(0.0, give_up - time.monotonic())
@@ -124,14 +134,32 @@ class RequestChannel:
             free_blocks(group, placed)
             raise EngineUnavailableError(f"replica {replica} is not serving: {group.failed or reason}")
 
-    def _encode(self, group: GroupState, request_id: int, request: Any) -> tuple[Any, list[tuple[str, int]]]:
+    def cancel(self, replica: int, request_id: int) -> None:
+        """A stream's cancel hook: "cancel" to every rank of ``replica`` while the request is pending."""
+        group = self._groups[replica]
+        message = wire.pack_message("cancel", request_id)
+        with self.role.lock:
+            if self.role.closed or group.failed is not None or request_id not in group.pending:
+                return
+            for inbox in group.inboxes:
+                try:
+                    inbox.send(message, _NOBLOCK)
+                except zmq.Again:  # its rank just died: the group fails, and the request with it
+                    pass
+
+    def _encode(self, group: GroupState, request_id: int, request: Any,
+                stream: bool = False) -> tuple[Any, list[tuple[str, int]]]:
         try:  # an idle encoder of this group; each concurrent caller makes one the first time
             allocator, encoder = group.encoders.pop()
         except IndexError:
             allocator = LockedArena(group)
             encoder = wire.TensorEncoder(allocator=allocator)
         try:
-            payload = wire.pack_message("request", request_id, payload=request, tensor_encoder=encoder)
+            if stream:
+                payload = wire.pack_message("request", request_id, payload=request, stream=True,
+                                            tensor_encoder=encoder)
+            else:
+                payload = wire.pack_message("request", request_id, payload=request, tensor_encoder=encoder)
         except Exception:
             if group.failed is None:
                 raise

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 import weakref
@@ -17,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from runtime.core.errors import EngineUnavailableError
 from runtime.transport.shm import ShmArena, ShmMapper
 
 log = logging.getLogger("phyrt.supervisor")
@@ -57,15 +59,18 @@ class ReapedProcess:
 
 class PendingRequest:
     """A request sent to every rank of a group: its future, its deadline (monotonic, or
-    None), the ranks that answered, and the request arena's blocks it placed."""
+    None), the ranks that answered, the request arena's blocks it placed, and, for a
+    request submitted as a stream, its ``StreamCall`` (the output rank's chunks go there)."""
 
-    __slots__ = ("future", "deadline", "ranks_done", "blocks")
+    __slots__ = ("future", "deadline", "ranks_done", "blocks", "stream")
 
-    def __init__(self, future: Future, deadline: float | None, blocks: list[tuple[str, int]]) -> None:
+    def __init__(self, future: Future, deadline: float | None, blocks: list[tuple[str, int]],
+                 stream: Any = None) -> None:
         self.future = future
         self.deadline = deadline
         self.ranks_done: set[int] = set()
         self.blocks = blocks
+        self.stream = stream
 
 
 @dataclass
@@ -105,6 +110,15 @@ class LockedArena:
         with self._group.arena_lock:
             self._group.arena.free(segment, offset)
 
+    def borrow(self, address: int, nbytes: int) -> tuple[str, int, int] | None:
+        """A tensor in a block the arena lent (``Engine.empty``): sent from where it lies, the
+        block held by this message until its blocks are freed (``runtime.transport.lending``)."""
+        with self._group.arena_lock:
+            lent = self._group.arena.borrow(address, nbytes)
+        if lent is not None:
+            self.placed.append(lent[:2])
+        return lent
+
 
 class ResultMapper:
     """Maps a rank's result segments; a decoded view frees its block when collected."""
@@ -117,6 +131,27 @@ class ResultMapper:
         holder = np.frombuffer(view, dtype=np.uint8)  # weak-referenceable owner of the view
         weakref.finalize(holder, self._group.frees.append, (self._rank, segment, offset))
         return memoryview(holder)
+
+
+def lend_tensor(group: GroupState, shape: tuple[int, ...], dtype: Any) -> Any:
+    """``Engine.empty`` on a local replica: a CPU tensor in a block of the group's request arena,
+    lent (``runtime.transport.lending``): a request that carries it (or a contiguous slice of
+    it) is sent as a reference to it, not copied. The block goes back to the arena once the
+    tensor is collected and every request that carried it is answered."""
+    import torch
+
+    count = math.prod(shape)
+    nbytes = count * dtype.itemsize
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    with group.arena_lock:
+        if group.failed is not None:
+            raise EngineUnavailableError(f"replica {group.engine_replica} is not serving: {group.failed}")
+        segment, offset, view, _ = group.arena.lend(nbytes)
+    holder = np.frombuffer(view, dtype=np.uint8)  # every tensor over the block is based on it
+    # let_go, not free: a finalizer may run in a thread that holds the arena's lock
+    weakref.finalize(holder, group.arena.let_go, segment, offset).atexit = False
+    return torch.frombuffer(memoryview(holder), dtype=dtype, count=count).view(shape)
 
 
 def free_blocks(group: GroupState, blocks: list[tuple[str, int]]) -> None:

@@ -49,7 +49,7 @@ from supervisor.answers import AnswerReader, answers_due
 from supervisor.boot import Launcher, Startup
 from supervisor.channel import ChannelFuture, RequestChannel
 from supervisor.failure import CLOSED, Failures
-from supervisor.groups import GroupState
+from supervisor.groups import GroupState, lend_tensor
 from supervisor.processes import SpawnThread, sweep_run_dirs
 from supervisor.reaping import Reaping
 from supervisor.watch import Watch
@@ -133,11 +133,16 @@ class WorkerSupervisor:
         other thread does (``supervisor.channel``)."""
         return self._channel.new_future()
 
-    def submit(self, replica: int, request: Any, future: Future) -> None:
-        """Send ``request`` to every rank of ``replica``; ``future`` gets the output rank's answer.
+    def submit(self, replica: int, request: Any, future: Future, stream: Any = None) -> None:
+        """Send ``request`` to every rank of ``replica``; ``future`` gets the output rank's answer,
+        ``stream`` (a ``StreamCall``) the chunks a streamed request sends before it.
         Inside ``runtime.transport.reader.expect_wait()`` the reader role is reserved for the
         calling thread, so that no other thread is woken to read."""
-        self._channel.submit(replica, request, future)
+        self._channel.submit(replica, request, future, stream)
+
+    def empty(self, replica: int, shape: tuple[int, ...], dtype: Any) -> Any:
+        """A tensor in ``replica``'s request arena, sent without a copy (``supervisor.groups.lend_tensor``)."""
+        return lend_tensor(self._groups[replica], shape, dtype)
 
     def close(self) -> None:
         """Fail pending requests, stop every rank, remove the run directory and segments."""

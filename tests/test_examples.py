@@ -32,3 +32,33 @@ def test_local_replicas_example_matches_inline():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "mode=local, 2 replicas x 2 ranks" in out.stdout
     assert "max |local - inline|" in out.stdout
+
+
+@pytest.mark.timeout(240)
+def test_tiny_qwen3_script_then_llm_client_streams_the_text_of_a_plain_call(tmp_path):
+    """The README's LLM steps: make the tiny model, serve it, call it streamed and not."""
+    from runtime.client import Client
+    from tests.test_launch import Launched
+
+    made = subprocess.run([sys.executable, "examples/make_tiny_qwen3.py", "--out", str(tmp_path / "tiny")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    model = Path(made.stdout.strip())
+    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= {
+        p.name for p in model.iterdir()}
+    server = Launched("--model", str(model), log_dir=tmp_path)
+    try:
+        chat = {"messages": [{"role": "user", "content": "Hello, robot 🤖"}], "max_tokens": 24}
+        with Client(server.address) as client:
+            want = {"--no-stream": client.call({"prompt": "Hello, robot 🤖", "max_tokens": 24}, timeout=60),
+                    "--chat": client.call(chat, timeout=60)}
+        for how, result in want.items():  # --chat streams
+            out = subprocess.run([sys.executable, "examples/llm_client.py", "--address", server.address,
+                                  "--max-tokens", "24", how, "Hello, robot 🤖"],
+                                 cwd=ROOT, capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            text, rest = out.stdout.rsplit("\n[finish: ", 1)
+            assert text == result["text"][0] and rest.startswith(result["finish_reasons"][0] + ";")
+            assert ("first text after" in rest) == (how == "--chat")
+    finally:
+        assert server.stop() == 0, server.log()

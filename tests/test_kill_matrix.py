@@ -7,7 +7,8 @@ every way a process dies, as the output rank or not.
                  tensor mapped) and before the plugin sees it
     plugin       it dies inside ``execute``; the other rank waits in a world barrier
     collective   both ranks loop 1 MiB world all_reduces; a thread of the victim kills
-                 it 0.3 s into the loop, inside a collective
+                 it 0.3 s into the loop, inside a collective (the shared-memory one of
+                 ``runtime.parallel.shm_collectives``: the ranks share a host)
     encode       output rank: its result is a ``LethalArray``, whose ``nbytes`` the wire
                  codec reads while it encodes the reply; non-output rank: it dies inside
                  ``wire.pack_message("done", ...)`` of its result-less reply
@@ -489,6 +490,23 @@ def _step_within(engine: Any, timeout: float) -> bool:
 
     threading.Thread(target=ask, daemon=True).start()
     return answered.wait(timeout + 1)
+
+
+def test_the_ranks_collectives_run_on_shared_memory(pool):
+    """What the collective cases kill a rank inside: each rank of a tp-2 replica maps its world
+    group's shared-memory segment, whose name is already gone (the segment of group rank 0)."""
+    from runtime.parallel.shm_setup import segment_bytes
+
+    slot = pool.take()
+    run_id = supervisor_of(slot.engine).run_id
+    for pid in slot.pids:
+        with open(f"/proc/{pid}/maps") as f:
+            spans = {line.split()[0] for line in f
+                     if f"/dev/shm/phyrt-{run_id}-{slot.pids[0]}-" in line and line.rstrip().endswith("(deleted)")}
+        sizes = [int(end, 16) - int(start, 16) for start, end in (span.split("-") for span in spans)]
+        assert segment_bytes(2) in sizes, (pid, sizes)
+    reduced = submit_to(slot.engine, slot.victim, {"op": "reduce", "x": torch.ones(1 << 18)}).result(60)
+    assert reduced == {"sum": 2.0 * (1 << 18), "replica": slot.victim}
 
 
 def test_the_matrix_covered_every_stage_way_and_role():

@@ -38,6 +38,12 @@ which may differ between ranks by a message, so a stepped plugin that runs
 collectives must agree on each step's batch itself (rank 0 decides and
 broadcasts it on ``P.cpu_group()``).
 
+Streams: a "request" with ``stream: true`` is admitted as a stream (``EngineCore.add``); a
+"cancel" {id} behind it on the same inbox reaches the runner's ``cancel``. The output rank
+sends each ``Partial`` chunk as "partial" {id, chunk} before the request's "done"; the other
+ranks drop theirs. An executing runner runs one request at a time: a "cancel" it reads is
+dropped (the request it names ran already).
+
 The heartbeat thread has its own socket (ZMQ sockets are not thread-safe) and
 keeps beating while the main thread is inside a forward pass (torch releases the
 GIL).
@@ -63,6 +69,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from runtime.core.plugins import Partial
 from runtime.transport import wire
 from runtime.transport.shm import ShmArena, ShmMapper
 from runtime.transport.spin import spin
@@ -174,7 +181,7 @@ def _start(boot: dict[str, Any]):
         except Exception as exc:
             raise RuntimeError(f"rendezvous of replica {boot['replica_index']} {_rendezvous_place(boot)} failed: "
                                f"{exc}") from exc
-        P.initialize(parallel, rank, backend=backend)
+        P.initialize(parallel, rank, backend=backend, run_id=boot["run_id"])  # shm names the sweeps know
     entry = resolve_plugin(boot["plugin"])()
     entry.configure(boot["plugin_args"])
     ctx = make_context(config, rank=rank, world_size=world, replica_index=boot["replica_index"],
@@ -245,7 +252,7 @@ def _serve(ctl: zmq.Socket, inbox: zmq.Socket, core: Any, arena: ShmArena, mappe
     encoder = wire.TensorEncoder(allocator=arena, inline_threshold=INLINE_LIMIT)
     # ctl first: a shutdown is seen before the requests queued with it
     poll_items = [(ctl, _POLLIN), (inbox, _POLLIN)]
-    request_types, ctl_types = frozenset({"request"}), frozenset({"free", "shutdown"})
+    request_types, ctl_types = frozenset({"request", "cancel"}), frozenset({"free", "shutdown"})
     batching = core.batching
     spin_budget = boot["spin_ns"]  # after an answer: look for the next request before sleeping
     served = False
@@ -278,26 +285,43 @@ def _serve(ctl: zmq.Socket, inbox: zmq.Socket, core: Any, arena: ShmArena, mappe
                 while True:
                     # a copy: cheaper than a zmq.Frame for the small message a request mostly is
                     msg = wire.unpack_message(inbox.recv(), expected_types=request_types, tensor_decoder=decoder)
-                    core.add(msg["id"], msg["payload"])
+                    if msg["type"] == "cancel":
+                        core.cancel(msg["id"])
+                    else:
+                        core.add(msg["id"], msg["payload"], msg.get("stream") is True)
                     if not inbox.getsockopt(zmq.EVENTS) & _POLLIN:
                         break
             else:  # one at a time: the rest stay queued in the socket
                 msg = wire.unpack_message(inbox.recv(), expected_types=request_types, tensor_decoder=decoder)
-                done = core.run(msg["id"], msg["payload"])
+                if msg["type"] == "request":
+                    done = core.run(msg["id"], msg["payload"])
         if batching:
             done = core.step()
-        for request_id, result, error in done:
-            if error is None and is_output:
-                try:
-                    reply = wire.pack_message("done", request_id, ok=True, result=result, tensor_encoder=encoder)
-                except Exception as exc:  # a result the wire cannot carry fails like the plugin did
-                    error = exc
-            elif error is None:
-                reply = wire.pack_message("done", request_id, ok=True)
-            if error is not None:
-                reply = wire.pack_message("done", request_id, ok=False, **_error_fields(error))
-            ctl.send(reply)
-            served = True
+        if done:
+            served = _answer(ctl, done, is_output, encoder)
+
+
+def _answer(ctl: zmq.Socket, done: list, is_output: bool, encoder: wire.TensorEncoder) -> bool:
+    """Send "done" for each completion (the output rank's with its result) and, from the
+    output rank, "partial" for each stream chunk; True when some request was answered."""
+    served = False
+    for request_id, result, error in done:
+        if type(result) is Partial:
+            if is_output:
+                ctl.send(wire.pack_message("partial", request_id, chunk=result.chunk, tensor_encoder=encoder))
+            continue
+        if error is None and is_output:
+            try:
+                reply = wire.pack_message("done", request_id, ok=True, result=result, tensor_encoder=encoder)
+            except Exception as exc:  # a result the wire cannot carry fails like the plugin did
+                error = exc
+        elif error is None:
+            reply = wire.pack_message("done", request_id, ok=True)
+        if error is not None:
+            reply = wire.pack_message("done", request_id, ok=False, **_error_fields(error))
+        ctl.send(reply)
+        served = True
+    return served
 
 
 def _shutdown(core: Any, arena: ShmArena | None, mapper: ShmMapper | None) -> None:

@@ -3,22 +3,41 @@
 ``plugin_args``: ``{"model": DIR, "max_num_seqs": 64, "max_num_batched_tokens": 4096,
 "block_size": 16, "kv_cache_blocks": None, "enforce_eager": False, "static_decode": False,
 "max_seq_len_to_capture": 8192}`` (``kv_cache_blocks`` None: sized from free memory,
-see ``runner``; the last three: the GPU path below). Request::
+see ``runner``; the last three: the GPU path below). Request, with exactly one of the
+three prompt forms::
 
-    {"prompt_token_ids": list[int] | list[list[int]], "max_tokens": int (required, >= 1),
+    {"prompt_token_ids": list[int] | list[list[int]],
+     | "prompt": str | list[str],
+     | "messages": [{"role": str, "content": str}, ...],
+     "max_tokens": int (required, >= 1),
      "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None,
      "ignore_eos": False, "stop_token_ids": []}
 
-Result: ``{"token_ids": list[list[int]], "finish_reasons": list[str]}``, one entry per
-prompt (a flat prompt counts as one), generated tokens only. A sequence stops at a
-``stop_token_ids`` token or, unless ``ignore_eos``, at the checkpoint's EOS token
-(the stopping token is included, as in ``transformers.generate``): reason "stop";
-or after ``max_tokens`` tokens: reason "length". Temperature 0 is greedy.
+``prompt`` is text, one prompt per string, tokenized with the checkpoint directory's own
+tokenizer (``AutoTokenizer``, local files only; special tokens added as the tokenizer
+adds them). ``messages`` is one conversation, one prompt: rendered by the tokenizer's
+chat template with ``add_generation_prompt=True``, then tokenized as it stands. Both need
+tokenizer files in the directory (``tokenizer.json`` or ``tokenizer_config.json``);
+without them the checkpoint serves token ids only.
+
+Result: ``{"token_ids": list[list[int]], "finish_reasons": list[str], "text": list[str]}``,
+one entry per prompt (a flat prompt counts as one), generated tokens only; ``text`` (each
+sequence's ids decoded with ``skip_special_tokens=True``) whenever the checkpoint has a
+tokenizer, for every prompt form. A sequence stops at a ``stop_token_ids`` token or,
+unless ``ignore_eos``, at the checkpoint's EOS token (the stopping token is included, as
+in ``transformers.generate``): reason "stop"; or after ``max_tokens`` tokens: reason
+"length". Temperature 0 is greedy.
 
 Validation happens in the caller: ``TypeError`` for a value of the wrong type,
-``ValueError`` for unknown keys, empty prompts, ids outside the vocabulary, a prompt
-plus ``max_tokens`` beyond ``max_position_embeddings``, or (when ``kv_cache_blocks``
-is given) a sequence that could not fit the KV cache even alone.
+``ValueError`` for unknown keys, none or several prompt forms, empty prompts or text, ids
+outside the vocabulary, text without tokenizer files, messages without a chat template,
+a prompt plus ``max_tokens`` beyond ``max_position_embeddings``, or (when
+``kv_cache_blocks`` is given) a sequence that could not fit the KV cache even alone.
+Rank 0 loads the tokenizer once at build time and tokenizes each text request when it is
+added (``models/qwen3/text.py``). The caller tokenizes only to check a length it cannot
+bound otherwise (a conversation, or a text with more UTF-8 bytes than the model takes
+tokens), loading its own copy of the tokenizer the first time, so that a prompt too long
+after tokenization is refused there and never reaches a rank.
 
 GPU path. Prefill always runs the eager forward. Decode steps:
 
@@ -46,9 +65,11 @@ CUDA device unless ``enforce_eager``), and which attention runs and why.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
-from models.qwen3.request import Qwen3Args, parse_request
+from models.qwen3.request import Qwen3Args, TextPrompts, parse_request
+from models.qwen3.text import load_tokenizer, tokenize
 from runtime import BuildContext, Entry, ParallelConfig
 
 __all__ = ["Qwen3Args", "Qwen3Entry", "parse_request"]
@@ -62,6 +83,8 @@ class Qwen3Entry(Entry):
 
     def __init__(self) -> None:
         self.args: Qwen3Args | None = None
+        self._tokenizer: Any = None  # the caller's copy, loaded by the first request that needs it
+        self._tokenizer_lock = threading.Lock()
 
     def configure(self, plugin_args: Any) -> None:
         """Check ``plugin_args`` and read the checkpoint's config.json (cheap: no weights)."""
@@ -86,7 +109,15 @@ class Qwen3Entry(Entry):
         """See the module docstring for the request and its errors."""
         if self.args is None:
             raise RuntimeError("qwen3: configure(plugin_args) was not called")
-        parse_request(request, self.args)
+        prompts, params = parse_request(request, self.args)
+        if isinstance(prompts, TextPrompts) and not prompts.surely_fit(params.max_tokens, self.args):
+            tokenize(self._caller_tokenizer(), prompts, params.max_tokens, self.args)
+
+    def _caller_tokenizer(self) -> Any:
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = load_tokenizer(self.args.model)
+            return self._tokenizer
 
     def build(self, ctx: BuildContext, plugin_args: Any):
         from models.qwen3.runner import Qwen3Runner

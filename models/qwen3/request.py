@@ -1,5 +1,6 @@
 """The qwen3 plugin's arguments (``Qwen3Args``) and request parsing (``parse_request``),
-shared by the entry (validation in the caller) and the runner (on every rank)."""
+shared by the entry (validation in the caller) and the runner (on every rank). Text prompts
+come out of parsing as ``TextPrompts``; ``models/qwen3/text.py`` tokenizes them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from models.qwen3.sequence import SamplingParams
+
+#: files of which one makes a checkpoint directory's tokenizer loadable by ``AutoTokenizer``
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+#: tokens a tokenizer may add to a text beyond those covering its bytes (BOS, EOS, a prefix)
+ADDED_TOKENS = 8
 
 
 def _int(where: str, value: Any, minimum: int) -> int:
@@ -36,6 +42,9 @@ class Qwen3Args:
     eos_ids: frozenset[int] = frozenset()
     num_heads: int = 0
     num_kv_heads: int = 0
+    # what the directory's tokenizer files offer (read without loading them)
+    has_tokenizer: bool = False
+    has_chat_template: bool = False
 
     @classmethod
     def parse(cls, plugin_args: Any) -> "Qwen3Args":
@@ -74,33 +83,133 @@ class Qwen3Args:
             raise ValueError(f"qwen3: {path / 'config.json'} lacks {missing}")
         heads = config["num_attention_heads"]
         return cls(**args, vocab_size=config["vocab_size"], max_positions=config["max_position_embeddings"],
-                   eos_ids=frozenset(eos), num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads)
+                   eos_ids=frozenset(eos), num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads,
+                   has_tokenizer=has_tokenizer_files(path), has_chat_template=_has_chat_template(path))
+
+    def max_prompt_tokens(self, max_tokens: int) -> int:
+        """The longest prompt that ``max_tokens`` more tokens still fit (positions, and the KV cache when sized)."""
+        longest = self.max_positions
+        if self.kv_cache_blocks is not None:
+            longest = min(longest, self.kv_cache_blocks * self.block_size + 1)
+        return longest - max_tokens
 
 
-_REQUEST_KEYS = ("prompt_token_ids", *(f.name for f in fields(SamplingParams)))
+def has_tokenizer_files(path: Path) -> bool:
+    return any((path / name).is_file() for name in TOKENIZER_FILES)
 
 
-def parse_request(request: Any, args: Qwen3Args) -> tuple[list[list[int]], SamplingParams]:
-    """The prompts and sampling parameters of a request, or TypeError/ValueError."""
+def _has_chat_template(path: Path) -> bool:
+    """Whether the tokenizer files hold a chat template (transformers writes it to either place)."""
+    if (path / "chat_template.jinja").is_file():
+        return True
+    config = path / "tokenizer_config.json"
+    try:
+        return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
+    except (ValueError, AttributeError):  # not a JSON object: loading the tokenizer reports it
+        return False
+
+
+@dataclass(frozen=True)
+class TextPrompts:
+    """A text request's prompts, before tokenization: ``texts`` (one prompt each), or one
+    conversation, ``messages``, for the chat template."""
+
+    texts: tuple[str, ...] = ()
+    messages: tuple[dict[str, str], ...] | None = None
+
+    def __len__(self) -> int:
+        return 1 if self.messages is not None else len(self.texts)
+
+    def surely_fit(self, max_tokens: int, args: Qwen3Args) -> bool:
+        """True when each text fits without tokenizing it: a token of a byte-level BPE covers at
+        least one UTF-8 byte of the text, and ``ADDED_TOKENS`` spare the ones a tokenizer adds. A
+        conversation is never known to fit before its template is rendered."""
+        if self.messages is not None:
+            return False
+        longest = max(len(t.encode("utf-8")) for t in self.texts) + ADDED_TOKENS
+        return longest <= args.max_prompt_tokens(max_tokens)
+
+
+_PROMPT_KEYS = ("prompt_token_ids", "prompt", "messages")
+_REQUEST_KEYS = (*_PROMPT_KEYS, *(f.name for f in fields(SamplingParams)))
+
+
+def parse_request(request: Any, args: Qwen3Args) -> tuple[list[list[int]] | TextPrompts, SamplingParams]:
+    """The prompts and sampling parameters of a request, or TypeError/ValueError.
+
+    Token-id prompts are checked against the model's limits here; text prompts after
+    tokenization (``models.qwen3.text.tokenize``)."""
     if not isinstance(request, dict):
         raise TypeError(f"qwen3 request must be a dict, got {type(request).__name__}")
     unknown = sorted(str(k) for k in request if k not in _REQUEST_KEYS)
     if unknown:
         raise ValueError(f"qwen3 request has unknown keys {unknown}; known: {list(_REQUEST_KEYS)}")
-    for key in ("prompt_token_ids", "max_tokens"):
-        if key not in request:
-            raise ValueError(f"qwen3 request needs {key!r}")
-    prompts = _prompts(request["prompt_token_ids"], args.vocab_size)
+    forms = [key for key in _PROMPT_KEYS if key in request]
+    if len(forms) != 1:
+        raise ValueError(f"qwen3 request needs exactly one of {list(_PROMPT_KEYS)}, got "
+                         f"{forms or 'none'}")
+    if "max_tokens" not in request:
+        raise ValueError("qwen3 request needs 'max_tokens'")
     max_tokens = _int("max_tokens", request["max_tokens"], 1)
-    longest = max(map(len, prompts)) + max_tokens
+    prompts: list[list[int]] | TextPrompts
+    if forms[0] == "prompt_token_ids":
+        prompts = _prompts(request["prompt_token_ids"], args.vocab_size)
+        check_lengths(prompts, max_tokens, args)
+    else:
+        if not args.has_tokenizer:
+            raise ValueError(f"qwen3 {args.model} has no tokenizer files ({' or '.join(TOKENIZER_FILES)}): "
+                             f"send 'prompt_token_ids' instead of {forms[0]!r}")
+        prompts = _texts(request["prompt"]) if forms[0] == "prompt" else _messages(request["messages"], args)
+    return prompts, _sampling(request, max_tokens, args.vocab_size)
+
+
+def check_lengths(prompts: list[list[int]], max_tokens: int, args: Qwen3Args, when: str = "") -> None:
+    """ValueError when the longest prompt plus ``max_tokens`` exceeds the model or the KV cache."""
+    length = max(map(len, prompts))
+    longest, tokens = length + max_tokens, f"{length} tokens{' ' + when if when else ''}"
     if longest > args.max_positions:
-        raise ValueError(f"qwen3 prompt ({longest - max_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
+        raise ValueError(f"qwen3 prompt ({tokens}) + max_tokens ({max_tokens}) exceeds the "
                          f"model's max_position_embeddings {args.max_positions}")
     if args.kv_cache_blocks is not None and math.ceil((longest - 1) / args.block_size) > args.kv_cache_blocks:
-        raise ValueError(f"qwen3 prompt + max_tokens ({longest}) cannot fit kv_cache_blocks={args.kv_cache_blocks} "
-                         f"blocks of {args.block_size} tokens")
-    params = _sampling(request, max_tokens, args.vocab_size)
-    return prompts, params
+        raise ValueError(f"qwen3 prompt ({tokens}) + max_tokens ({max_tokens}) cannot fit "
+                         f"kv_cache_blocks={args.kv_cache_blocks} blocks of {args.block_size} tokens")
+
+
+def _texts(prompts: Any) -> TextPrompts:
+    """``prompt``: a string or a non-empty list of strings, none empty."""
+    texts = [prompts] if isinstance(prompts, str) else prompts
+    if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
+        raise TypeError(f"qwen3 prompt must be a string or a list of strings, got {prompts!r:.200}")
+    if not texts:
+        raise ValueError("qwen3 prompt is an empty list")
+    empty = [i for i, t in enumerate(texts) if not t]
+    if empty:
+        raise ValueError(f"qwen3 prompt {empty[0]} is an empty string")
+    return TextPrompts(texts=tuple(texts))
+
+
+def _messages(messages: Any, args: Qwen3Args) -> TextPrompts:
+    """``messages``: one conversation, a non-empty list of {"role": str, "content": str}."""
+    if not isinstance(messages, (list, tuple)):
+        raise TypeError(f"qwen3 messages must be a list of {{'role': str, 'content': str}}, got {messages!r:.200}")
+    if not messages:
+        raise ValueError("qwen3 messages is an empty list")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise TypeError(f"qwen3 message {i} must be a dict with 'role' and 'content', got {message!r:.200}")
+        if sorted(message) != ["content", "role"]:
+            raise ValueError(f"qwen3 message {i} must have exactly the keys 'role' and 'content', got "
+                             f"{sorted(map(str, message))}")
+        if not isinstance(message["role"], str) or not isinstance(message["content"], str):
+            raise TypeError(f"qwen3 message {i}: 'role' and 'content' must be strings, got {message!r:.200}")
+        if not message["role"]:
+            raise ValueError(f"qwen3 message {i} has an empty role")
+    if not any(message["content"] for message in messages):
+        raise ValueError("qwen3 messages: every message's content is empty")
+    if not args.has_chat_template:
+        raise ValueError(f"qwen3 {args.model}'s tokenizer has no chat template: send 'prompt' text instead of "
+                         "'messages'")
+    return TextPrompts(messages=tuple(dict(m) for m in messages))
 
 
 def _prompts(prompts: Any, vocab: int) -> list[list[int]]:

@@ -4,7 +4,7 @@
     add(id, request): parse, queue sequences               add(id, request): remember id as "seen"
     step():                                                step():  (only while it holds seen ids)
       schedule -> batch (tokens, positions, slots, ...)
-      plan = msgpack{done: ids, batch}  --broadcast, cpu group-->  plan
+      plan = msgpack{done: ids, batch}  --P.cpu_broadcast------->  plan
       forward(batch)            <------ tp collectives ------>     forward(batch)
       compute_logits -> sample                                     compute_logits (returns None)
       finished requests -> results, ids into the next "done"       ids of plan.done -> (id, None)
@@ -13,7 +13,7 @@ Agreement (what keeps the ranks in lock step although each rank's serve loop
 admits requests when its own copy of them arrives):
 
 - Only the leader schedules and samples. Every leader step broadcasts exactly one
-  plan on ``P.cpu_group()`` and every follower step receives exactly one. The
+  plan with ``P.cpu_broadcast`` and every follower step receives exactly one. The
   plan carries the model inputs themselves (int64 arrays), so a follower needs no
   scheduler, no payloads and no copy of any request to run the forward pass.
 - A plan's ``done`` lists the requests the leader finished (or refused) since the
@@ -63,6 +63,8 @@ import numpy as np
 import torch
 
 from models.qwen3.request import Qwen3Args, parse_request
+from models.qwen3.text import add_text, load_tokenizer, tokenize
+from models.qwen3.streams import TokenStreams, drop_sequences
 from models.qwen3.block_manager import BlockManager
 from models.qwen3.sampler import sample
 from models.qwen3.scheduler import Scheduler
@@ -149,11 +151,13 @@ class Qwen3Runner:
         self.num_static_steps = 0
         self.max_batch_seqs = 0
         if self.leader:
+            self.tokenizer = load_tokenizer(args.model)  # None: token ids only
             bm = BlockManager(self.num_blocks, args.block_size)
             self.scheduler = Scheduler(bm, args.max_num_seqs, args.max_num_batched_tokens, args.eos_ids)
             self._requests: dict[Any, list[Sequence]] = {}
             self._refused: list[tuple[Any, BaseException]] = []
             self._announce: list[Any] = []  # finished ids the followers have not been told of
+            self._streams = TokenStreams()  # requests submitted as streams (models/qwen3/streams.py)
         else:
             self._seen: set[Any] = set()   # added here, not yet announced by the leader
             self._early: set[Any] = set()  # announced by the leader before this rank's copy came
@@ -200,12 +204,28 @@ class Qwen3Runner:
             return
         try:
             prompts, params = parse_request(request, self.args)
+            prompts = tokenize(self.tokenizer, prompts, params.max_tokens, self.args)
             seqs = [Sequence(request_id, i, prompt, params) for i, prompt in enumerate(prompts)]
             self.scheduler.add(seqs)
         except Exception as exc:  # refused: reported by the next step, and announced
             self._refused.append((request_id, exc))
             return
         self._requests[request_id] = seqs
+
+    def add_stream(self, request_id: Any, request: Any) -> None:
+        """``add``, and each step's new ids (and text) go out as a chunk (``models/qwen3/streams.py``)."""
+        self.add(request_id, request)
+        if self.leader and request_id in self._requests:
+            self._streams.open(request_id, self._requests[request_id], self.tokenizer)
+
+    def cancel(self, request_id: Any) -> None:
+        """Drop a stream the caller left: its KV blocks are freed now, and the next step reports
+        it (with no result) and announces it, as a refusal. Followers wait for that announcement."""
+        if not self.leader or request_id not in self._requests:
+            return
+        drop_sequences(self.scheduler, self._requests.pop(request_id))
+        self._streams.drop(request_id)
+        self._refused.append((request_id, None))
 
     def has_unfinished(self) -> bool:
         if self.leader:
@@ -234,10 +254,16 @@ class Qwen3Runner:
             if siblings is None or not all(s.is_finished for s in siblings):
                 continue
             del self._requests[seq.request_id]
-            done.append((seq.request_id, {"token_ids": [s.output_ids for s in siblings],
-                                          "finish_reasons": [s.finish_reason for s in siblings]}))
+            if seq.request_id in self._streams:  # its last chunk, not the whole result
+                done.append((seq.request_id, self._streams.last(seq.request_id, siblings)))
+            else:
+                done.append((seq.request_id, add_text({"token_ids": [s.output_ids for s in siblings],
+                                                       "finish_reasons": [s.finish_reason for s in siblings]},
+                                                      self.tokenizer)))
             if self.distributed:
                 self._announce.append(seq.request_id)
+        if self._streams:
+            done += self._streams.partials(seqs, self._requests)
         return done
 
     def _prepare(self, seqs: list[Sequence], is_prefill: bool) -> Batch:
@@ -301,21 +327,19 @@ class Qwen3Runner:
 
 
 def _broadcast_plan(data: bytes | None) -> bytes:
-    """The leader's plan on every rank: the leader passes it, followers pass None."""
-    import torch.distributed as dist
-
-    group = P.cpu_group()
+    """The leader's plan on every rank: the leader passes it, followers pass None. Sent over
+    ``P.cpu_broadcast`` (shared memory when the ranks share a host, else the gloo CPU group)."""
     head = np.zeros(PLAN_BYTES, dtype=np.uint8)
     if data is not None:
         head[:8] = np.frombuffer(len(data).to_bytes(8, "little"), dtype=np.uint8)
         first = data[:PLAN_BYTES - 8]
         head[8:8 + len(first)] = np.frombuffer(first, dtype=np.uint8)
-    dist.broadcast(torch.from_numpy(head), src=0, group=group)
+    P.cpu_broadcast(torch.from_numpy(head), src=0)
     size = int.from_bytes(head[:8].tobytes(), "little")
     if size <= PLAN_BYTES - 8:
         return head[8:8 + size].tobytes()
     rest = np.zeros(size - (PLAN_BYTES - 8), dtype=np.uint8)
     if data is not None:
         rest[:] = np.frombuffer(data[PLAN_BYTES - 8:], dtype=np.uint8)
-    dist.broadcast(torch.from_numpy(rest), src=0, group=group)
+    P.cpu_broadcast(torch.from_numpy(rest), src=0)
     return head[8:].tobytes() + rest.tobytes()

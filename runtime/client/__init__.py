@@ -6,8 +6,10 @@ Needs pyzmq, msgpack and numpy only: nothing here imports torch (see ``client``)
 Modules: ``client`` (``Client``: verbs, lifecycle), ``async_client`` (``AsyncClient``),
 ``connection`` (the socket, its outbox, reading), ``replies`` (requests in flight, decoding
 replies, shm bookkeeping), ``io_thread`` (fallback reader, heartbeats, monitor),
-``handshake`` (what the socket monitor's events mean),
-``headers`` (what is sent), ``shm`` (the shm session), ``errors``, ``gate``.
+``handshake`` (what the socket monitor's events mean), ``routing`` (``RoutingClient``:
+``Client([address, ...])`` over several servers) and ``rotation`` (its choice of server),
+``headers`` (what is sent), ``shm`` (the shm session), ``streams`` (the iterators of
+``Client.stream`` and ``AsyncClient.stream``), ``errors``, ``gate``.
 """
 
 from runtime.client.async_client import AsyncClient
@@ -15,8 +17,10 @@ from runtime.client.client import Client
 from runtime.client.errors import (ConnectionLostError, DeadlineExceededError, HandshakeError, InvalidRequestError,
                                    OverloadedError, PluginError, ServerError, ServerUnavailableError)
 from runtime.client.gate import ObservationGate
+from runtime.client.routing import RoutingClient
 
 __all__ = [
     "AsyncClient", "Client", "ConnectionLostError", "DeadlineExceededError", "HandshakeError",
-    "InvalidRequestError", "ObservationGate", "OverloadedError", "PluginError", "ServerError", "ServerUnavailableError",
+    "InvalidRequestError", "ObservationGate", "OverloadedError", "PluginError", "RoutingClient", "ServerError",
+    "ServerUnavailableError",
 ]

@@ -16,12 +16,15 @@ cancels the Client future, which asks the server to drop the request if still qu
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import weakref
 from typing import Any
 
 from runtime.client.client import Client
 from runtime.client.errors import DeadlineExceededError
+from runtime.client.routing import RoutingClient
+from runtime.client.streams import AsyncClientStream
 
 __all__ = ["AsyncClient"]
 
@@ -30,7 +33,8 @@ class AsyncClient:
     """``Client`` for asyncio: the same verbs, awaitable. Takes ``Client``'s keyword arguments.
 
     Cancelling an awaited ``submit`` also asks the server to drop the request if it
-    is still queued.
+    is still queued. ``AsyncClient([address, ...])`` routes over several servers, as
+    ``Client([address, ...])`` does (``runtime.client.routing``).
     """
 
     def __init__(self, address: str, **kwargs: Any) -> None:
@@ -54,6 +58,19 @@ class AsyncClient:
         except asyncio.TimeoutError:
             raise DeadlineExceededError.for_request(f"no result within {timeout} s from {self.address}",
                                                     future.request_id) from None  # type: ignore[attr-defined]
+
+    def stream(self, payload: Any, timeout: float | None = None) -> AsyncClientStream:
+        """Send one request as a stream from the running loop: ``async for chunk in
+        client.stream(p)``; leaving early (``aclose()``) cancels it on the server."""
+        client = self._client
+        if isinstance(client, RoutingClient):  # several servers: the whole stream to the chosen one
+            loop = asyncio.get_running_loop()
+            return client._start_stream(payload, timeout, lambda address: AsyncClientStream(address, timeout, loop))
+        stream = AsyncClientStream(self.address, timeout, asyncio.get_running_loop())
+        future = client._submit(payload, timeout, stream.state)
+        stream.start(future, functools.partial(client._cancel_in_flight, future.request_id))  # type: ignore[attr-defined]
+        client._need_reader()
+        return stream
 
     async def cancel(self, future: asyncio.Future, timeout: float = 5.0) -> bool:
         """Ask the server to cancel a request from ``submit``; True if it was still queued."""

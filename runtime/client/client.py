@@ -60,12 +60,16 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
 
+import numpy as np
+
 from runtime.client.connection import Connection
 from runtime.client.errors import ConnectionLostError, DeadlineExceededError
 from runtime.client.headers import control_header, register_header, submit_header
 from runtime.client.io_thread import IOThread
 from runtime.client.replies import Pending, Replies
+from runtime.client.routing import RoutingClient
 from runtime.client.shm import ShmSession
+from runtime.client.streams import ClientStream
 from runtime.core.futures import resolve
 from runtime.transport.protocol import DEFAULT_SHM_THRESHOLD, PayloadEncoder
 from runtime.transport.reader import ReaderRole
@@ -88,7 +92,18 @@ class Client:
     speaks plain ZMQ. A handshake the server refuses (keys missing, wrong or not
     authorized) fails the requests in flight and later ones with ``HandshakeError`` (a
     ``ConnectionLostError``) naming the cause, within moments.
+
+    ``Client([address, ...])`` (a list or tuple) returns a ``RoutingClient`` over those
+    servers, with the same verbs, the keyword arguments above for each server, and
+    ``refresh``/``refresh_interval_s`` (``runtime.client.routing``).
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        address = args[0] if args else kwargs.get("address")
+        if isinstance(address, (list, tuple)):
+            kwargs.pop("address", None)
+            return RoutingClient(address, cls, *args[1:], **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, address: str, *, tensor_type: str = "numpy", shm: bool | None = None,
                  shm_threshold: int = DEFAULT_SHM_THRESHOLD, heartbeat_interval_s: float = 1.0,
@@ -155,6 +170,51 @@ class Client:
         raise DeadlineExceededError.for_request(f"no result within {timeout} s from {self.address}",
                                                 future.request_id) from None  # type: ignore[attr-defined]
 
+    def stream(self, payload: Any, timeout: float | None = None) -> ClientStream:
+        """Send one request as a stream: an iterator of its chunks as the server's plugin makes
+        them (``runtime.client.streams``); leaving it early cancels the request on the server.
+        ``timeout`` bounds the whole stream (``DeadlineExceededError``)."""
+        stream = ClientStream(self.address, timeout)
+        future = self._submit(payload, timeout, stream.state)
+        stream.start(future, functools.partial(self._cancel_in_flight, future.request_id))  # type: ignore[attr-defined]
+        self._need_reader()
+        return stream
+
+    def empty(self, shape: Any, dtype: Any = np.float32) -> np.ndarray:
+        """A new, uninitialised array placed where the server reads it: this client's shared
+        memory with a same-host server (``ipc://``), so a request carrying it (or a contiguous
+        slice of it) crosses with no copy. Over tcp://, with ``shm=False``, or before the
+        server took this client's shared memory, an ordinary array (sent as frames).
+
+        The ownership rules of ``Engine.empty``: yours to write and send as often as you like;
+        its memory goes back to this client's pool once you dropped it and every request that
+        carried it was answered; do not write it while such a request runs (the server and
+        its plugin may read the new values, the old or a mix; never freed memory). After
+        ``close()`` or a server restart it is still valid memory and is sent as a copy.
+        """
+        dims = (shape,) if isinstance(shape, int) and not isinstance(shape, bool) else shape
+        if not isinstance(dims, (tuple, list)) or not all(
+                isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in dims):
+            raise ValueError(f"shape must be an int or a sequence of ints >= 0, got {shape!r}")
+        dtype = np.dtype(dtype)
+        if dtype.kind not in "biuf" or dtype.byteorder == ">":
+            raise TypeError(f"dtype must be a little-endian bool, int, uint or float dtype, got {dtype!r}")
+        self._check_open()
+        dims = tuple(int(d) for d in dims)
+        nbytes = math.prod(dims) * dtype.itemsize
+        if nbytes >= self._shm_threshold and self._replies.wants_shm():
+            # a new client (or one whose server restarted) has no shared memory yet: the first
+            # ping's answer starts the session and sends its registration, which the server
+            # answers before the second ping (one connection's messages are handled in order)
+            for _ in range(2):
+                if not self._replies.wants_shm():
+                    break
+                self.ping()
+        lent = self._lend(nbytes) if nbytes >= self._shm_threshold else None
+        if lent is None:
+            return np.empty(dims, dtype)
+        return np.frombuffer(lent, dtype=dtype, count=math.prod(dims)).reshape(dims)
+
     def cancel(self, future: Future, timeout: float = 5.0) -> bool:
         """Ask the server to cancel a submitted request; True if it was still queued and is dropped."""
         request_id = getattr(future, "request_id", None)
@@ -204,17 +264,21 @@ class Client:
 
     # -- sending -----------------------------------------------------------------------
 
-    def _submit(self, payload: Any, timeout: float | None) -> Future:
-        """Encode and send a submit; its future (with ``request_id``, for ``cancel``)."""
+    def _submit(self, payload: Any, timeout: float | None, stream: Any = None) -> Future:
+        """Encode and send a submit (a stream op with ``stream``, a ``StreamState``); its future
+        (with ``request_id``, for ``cancel``)."""
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not 0 < timeout < math.inf):
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         self._check_open()
         request_id = next(self._ids)
         session = self._replies.session
-        place = None if session is None else functools.partial(self._place, session)
+        place = borrow = None
+        if session is not None:
+            place = functools.partial(self._place, session)
+            borrow = functools.partial(self._borrow, session) if session.arena is not None else None
         # frames stay views of the caller's arrays: Connection.send has zmq copy them at once, or snapshots them
-        encoder = PayloadEncoder(copy=False, place=place, shm_threshold=self._shm_threshold)
+        encoder = PayloadEncoder(copy=False, place=place, shm_threshold=self._shm_threshold, borrow=borrow)
         try:
             packed = encoder.pack(payload)
         except BaseException:
@@ -224,10 +288,11 @@ class Client:
         # dropped results' blocks ride in the header: one message for the server to read, not two
         released = session.take_released() if session is not None and session.released else None
         header = submit_header(request_id, timeout, session is not None and session.result_mapper is not None,
-                               packed.data, released)
+                               packed.data, released, stream is not None)
         future: Future = Future()
         future.request_id = request_id  # type: ignore[attr-defined]
-        self._replies.add(request_id, Pending(future, "submit", time.monotonic(), encoder.blocks, session, released))
+        self._replies.add(request_id, Pending(future, "submit", time.monotonic(), encoder.blocks, session, released,
+                                              stream))
         self._conn.send(request_id, [header, *encoder.frames] if encoder.frames else [header])
         return future
 
@@ -261,6 +326,24 @@ class Client:
             if new:  # queued under the shm lock: no request using this segment can be queued before it
                 self._conn.outbox.append((None, [register_header(session.run_id, [segment])]))
             return segment, offset, view
+
+    def _lend(self, nbytes: int) -> np.ndarray | None:
+        """A lent block of the current session's arena (``empty``); None without a usable session."""
+        with self._replies.shm_lock:
+            session = self._replies.session
+            if session is None or not session.usable:
+                return None
+            segment, offset, holder, new = session.lend(nbytes)
+            if new:  # registered before any request that carries it, as _place does
+                self._conn.outbox.append((None, [register_header(session.run_id, [segment])]))
+        return holder
+
+    def _borrow(self, session: ShmSession, address: int, nbytes: int) -> tuple[str, int, int] | None:
+        """The lent block (``empty``) a request tensor lies in, held by the request until its reply."""
+        with self._replies.shm_lock:
+            if session is not self._replies.session or not session.usable:
+                return None
+            return session.arena.borrow(address, nbytes)
 
     def _check_open(self) -> None:
         if self._replies.closed:

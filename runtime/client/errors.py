@@ -58,9 +58,20 @@ class PluginError(ServerError):
 
 
 class ServerUnavailableError(ServerError, EngineUnavailableError):
-    """The server's engine cannot serve (closed, shutting down, no healthy replica)."""
+    """The server's engine cannot serve (closed, shutting down, no healthy replica); or, from a
+    client over several servers (``Client([address, ...])``), none of them is in its rotation:
+    ``causes`` then maps each address to that server's last cause, which the message names too."""
 
     type = "EngineUnavailable"
+    #: a client over several servers with none in rotation: address -> why that server left it
+    causes: dict[str, str] | None = None
+
+    @classmethod
+    def for_servers(cls, causes: dict[str, str]) -> "ServerUnavailableError":
+        listed = "; ".join(f"{address}: {cause}" for address, cause in causes.items())
+        error = cls(f"no server is in the rotation ({listed}); each is probed and comes back once it answers")
+        error.causes = dict(causes)
+        return error
 
 
 class ConnectionLostError(ServerUnavailableError):

@@ -22,6 +22,7 @@ from runtime.transport.protocol import PROTOCOL_VERSION, pack_header
 
 #: a submit header up to its id, and its other fields, as msgpack
 _SUBMIT_HEAD = b"\xa1v" + msgpack.packb(PROTOCOL_VERSION) + b"\xa2op\xa6submit\xa2id"
+_STREAM_HEAD = b"\xa1v" + msgpack.packb(PROTOCOL_VERSION) + b"\xa2op\xa6stream\xa2id"
 _TIMEOUT_KEY = msgpack.packb("timeout_s")
 _SHM_RESULTS = msgpack.packb("shm_results") + b"\xc3"
 _PAYLOAD_KEY = msgpack.packb("payload")
@@ -29,10 +30,11 @@ _RELEASE_KEY = msgpack.packb("release")
 
 
 def submit_header(request_id: int, timeout: float | None, shm_results: bool, payload: bytes,
-                  release: list[list[Any]] | None = None) -> bytes:
-    """``pack_header`` of a submit whose payload is already packed (``Packed.data``)."""
+                  release: list[list[Any]] | None = None, stream: bool = False) -> bytes:
+    """``pack_header`` of a submit (a ``stream`` op with ``stream``) whose payload is already
+    packed (``Packed.data``)."""
     fields = 4 + (timeout is not None) + shm_results + bool(release)
-    parts = [bytes((0x80 | fields,)), _SUBMIT_HEAD, msgpack.packb(request_id)]
+    parts = [bytes((0x80 | fields,)), _STREAM_HEAD if stream else _SUBMIT_HEAD, msgpack.packb(request_id)]
     if timeout is not None:
         parts += (_TIMEOUT_KEY, msgpack.packb(float(timeout)))
     if shm_results:

@@ -7,6 +7,7 @@ and every lock are released (their callbacks may call the client again).
 
     Client._send: add(id, Pending) ---------> pending[id]           (under ``lock``)
     reader: handle(header, frames, done)
+      a stream's chunk (pending[id] stays) -> decode -> done, for its StreamState (``seq`` checked)
       a reply to pending[id] --------------> decode (frames, shm result views) -> done;
                                              its shm inputs: freed, or held[id] when
                                              the reply says ``inputs_held``
@@ -57,6 +58,8 @@ log = logging.getLogger("phyrt.client")
 
 #: marks the server's Cancelled reply in a ``done`` list: (future, message, _CANCELLED)
 _CANCELLED = object()
+#: marks a stream's chunk in a ``done`` list: (StreamState, chunk, _CHUNK)
+_CHUNK = object()
 
 Blocks = list[tuple[str, int]]
 
@@ -64,10 +67,11 @@ Blocks = list[tuple[str, int]]
 class Pending:
     """A request in flight: its future, and the shm blocks its inputs occupy."""
 
-    __slots__ = ("future", "op", "sent_at", "blocks", "session", "released")
+    __slots__ = ("future", "op", "sent_at", "blocks", "session", "released", "stream")
 
     def __init__(self, future: Future, op: str, sent_at: float, blocks: Blocks | None = None,
-                 session: ShmSession | None = None, released: list[list[Any]] | None = None) -> None:
+                 session: ShmSession | None = None, released: list[list[Any]] | None = None,
+                 stream: Any = None) -> None:
         self.future = future
         self.op = op
         self.sent_at = sent_at
@@ -75,17 +79,26 @@ class Pending:
         self.session = session
         #: result blocks whose release rides in this submit's header (given back if it is not sent)
         self.released = released
+        #: a stream op's ``runtime.client.streams.StreamState`` (its chunks go there); None for a submit
+        self.stream = stream
 
 
 def complete(done: list[tuple[Future, Any, Any]]) -> None:
     """Resolve ``(future, result, error)`` triples; call it holding no lock and not the socket."""
     for future, result, error in done:
-        if error is _CANCELLED:
+        if error is _CHUNK:
+            future.deliver(result)
+        elif error is _CANCELLED:
             if not future.cancel():
                 resolve(future, error=ServerError.for_request(f"Cancelled: {result}",
                                                               getattr(future, "request_id", None)))
         else:
             resolve(future, result, error)
+
+
+def _more(header: dict[str, Any]) -> bool:
+    """Whether a reply is a stream's chunk that more replies follow."""
+    return header.get("op") == "stream" and header.get("ok") is True and header.get("final") is not True
 
 
 class Replies:
@@ -108,6 +121,11 @@ class Replies:
         self.broken: str | None = None  # why the I/O thread died, if it did
         self.refused: str | None = None  # why the server refused our handshake, while it does
         self.refused_for_good = False  # libzmq gave the address up: no handshake will follow
+
+    def wants_shm(self) -> bool:
+        """Shared memory is on and not refused, but no usable session exists (yet)."""
+        session = self.session
+        return self._shm and not self.closed and (session is None or (not session.usable and not session.refused))
 
     def awaiting(self) -> bool:
         """Under ``lock``: some reply is still due."""
@@ -177,7 +195,9 @@ class Replies:
                 held[0].free(held[1])
             return None
         with self.lock:
-            p = self.pending.pop(request_id, None) if isinstance(request_id, int) else None
+            p = self.pending.get(request_id) if isinstance(request_id, int) else None
+            if p is not None and not (p.stream is not None and _more(header)):
+                del self.pending[request_id]  # its one reply, or a stream's last
         try:
             return self._answer(header, p, bool(refs), frames, done)
         except Exception as exc:  # a bug here must not leave the request's caller waiting
@@ -206,6 +226,16 @@ class Replies:
         if p is None:
             self._late(request_id, header.get("inputs_held") is True)
             return register
+        if p.stream is not None and error is None and header.get("ok") is True:
+            if header.get("seq") != p.stream.seq:  # a chunk went missing: the stream ends here
+                with self.lock:
+                    self.pending.pop(request_id, None)
+                error = ServerError.for_request(f"stream {request_id}: chunk {header.get('seq')!r} came where "
+                                                f"{p.stream.seq} was due (a chunk was lost)", request_id)
+            elif _more(header):
+                p.stream.seq += 1
+                done.append((p.stream, result, _CHUNK))
+                return register
         if p.blocks and p.session is not None:
             if header.get("inputs_held") is True:
                 with self.lock:

@@ -63,12 +63,28 @@ class ShmSession:
 
     def place(self, nbytes: int) -> tuple[str, int, memoryview, bool]:
         """A block for a request tensor, and whether its segment is new (register it first)."""
+        return self.place_with(nbytes)
+
+    def place_with(self, nbytes: int, lend: bool = False) -> tuple[str, int, memoryview, bool]:
         if self.arena is None:
             self.arena = ShmArena(self.run_id, max(_CLIENT_ARENA_BYTES, 2 * nbytes))
-        segment, offset, view = self.arena.place(nbytes)
+        if lend:
+            segment, offset, view, _ = self.arena.lend(nbytes)
+        else:
+            segment, offset, view = self.arena.place(nbytes)
         new = segment not in self.registered
         self.registered.add(segment)
         return segment, offset, view, new
+
+    def lend(self, nbytes: int) -> tuple[str, int, np.ndarray, bool]:
+        """A lent block of our arena (``Client.empty``): (segment, offset, the uint8 array every
+        array over the block must be based on, whether the segment is new). The block goes back
+        once that array is collected and every request that carried it was answered."""
+        segment, offset, view, new = self.place_with(nbytes, lend=True)
+        holder = np.frombuffer(view, dtype=np.uint8)
+        # let_go, not free: a finalizer may run while this thread holds the arena's lock
+        weakref.finalize(holder, self.arena.let_go, segment, offset).atexit = False
+        return segment, offset, holder, new
 
     def on_registered(self, result: dict[str, Any]) -> None:
         """The server's answer to a ``register`` of this session's run id."""

@@ -20,6 +20,23 @@ On every rank: ``build(ctx, plugin_args)``, which returns the rank's runner, eit
 * a stepped runner (batching plugins): ``add(request_id, request)``,
   ``step() -> list[(request_id, result)]`` and ``has_unfinished() -> bool``;
   ``step`` may also return ``(request_id, exception)`` to fail one request.
+
+Streaming (``Engine.stream``, ``Client.stream``). A request submitted as a stream yields
+chunks as they are made; two optional methods of a stepped runner give it that:
+
+* ``add_stream(request_id, request)``: admit a request submitted as a stream. Its ``step``
+  may then return ``(request_id, Partial(chunk))`` for it any number of times before its
+  final ``(request_id, result)``, and that final result is the stream's last chunk (not the
+  whole result: the caller sees the chunks in order, the last one included). A runner
+  without ``add_stream`` is handed the request by ``add``; so is every request of an
+  executing runner: the stream then has one chunk, the result.
+* ``cancel(request_id)``: the caller left the stream. Stop working on the request and free
+  what it holds; a later ``step`` still reports it once, with any outcome (it is dropped),
+  so every rank ends it as it ends a finished request. Ids the runner no longer holds are
+  never passed. Without ``cancel`` the request runs to its end and its chunks are dropped.
+
+On a local replica every rank is handed the stream and the cancel alike; the output
+rank's chunks are sent on, as its result is.
 """
 
 from __future__ import annotations
@@ -39,6 +56,18 @@ _SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 _registry: dict[str, type["Entry"]] = {}
 _lock = threading.Lock()
+
+
+class Partial:
+    """A chunk of a streamed request's result: ``step()`` returns ``(request_id, Partial(chunk))``."""
+
+    __slots__ = ("chunk",)
+
+    def __init__(self, chunk: Any) -> None:
+        self.chunk = chunk
+
+    def __repr__(self) -> str:
+        return f"Partial({self.chunk!r})"
 
 
 @dataclass(frozen=True)

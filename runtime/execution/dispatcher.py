@@ -37,8 +37,9 @@ class RequestDispatcher:
     def statuses(self) -> list[ReplicaStatus]:
         return [executor.status() for executor in self._executors]
 
-    def submit(self, request: Any) -> Future:
-        """Hand ``request`` to a replica; ``EngineUnavailableError`` when none is healthy."""
+    def submit(self, request: Any, stream: Any = None) -> Future:
+        """Hand ``request`` to a replica; ``EngineUnavailableError`` when none is healthy.
+        ``stream``: its ``StreamCall`` when it was submitted as a stream."""
         with self._lock:
             if self._closed:
                 raise EngineUnavailableError("the engine is closed")
@@ -46,7 +47,7 @@ class RequestDispatcher:
                 executor = self._executors[0]
                 if executor.healthy:
                     try:
-                        return executor.submit(request)
+                        return executor.submit(request, stream)
                     except EngineUnavailableError:
                         pass
                 raise EngineUnavailableError(self._none_healthy())
@@ -56,9 +57,22 @@ class RequestDispatcher:
                 if executor is None:
                     raise EngineUnavailableError(self._none_healthy())
                 try:
-                    return executor.submit(request)
+                    return executor.submit(request, stream)
                 except EngineUnavailableError:
                     tried.add(executor.index)  # it failed between the check and the send
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """``Engine.empty``: a tensor from the replica the next request would go to (the one with
+        the fewest in flight; a request that lands on another replica copies it)."""
+        with self._lock:
+            if self._closed:
+                raise EngineUnavailableError("the engine is closed")
+            turn = self._cursor
+            executor = self._choose(set())
+            self._cursor = turn  # a tensor is not a request: the next request keeps its turn
+            if executor is None:
+                raise EngineUnavailableError(self._none_healthy())
+        return executor.empty(shape, dtype)
 
     def replace(self, index: int, executor: ReplicaExecutor) -> ReplicaExecutor | None:
         """Put ``executor`` in the place of replica ``index``; returns the executor it

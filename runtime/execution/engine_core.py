@@ -13,6 +13,12 @@ the stepped shape, so one loop drives either:
 
 An executing runner runs one admitted request per ``step``; its exception fails
 that request only.
+
+Streams (``runtime.core.plugins``): ``add(request_id, request, stream=True)`` admits a
+request through the runner's ``add_stream`` when it has one; ``step`` then also returns
+``(request_id, Partial(chunk), None)`` for it. ``cancel(request_id)`` reaches the runner's
+``cancel`` only for a stream it still holds (the core keeps their ids until each is
+reported), and is a no-op otherwise.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import collections
 from typing import Any
 
 from runtime.core.config import EngineConfig
-from runtime.core.plugins import BuildContext, Entry
+from runtime.core.plugins import BuildContext, Entry, Partial
 
 Completion = tuple[Any, Any, BaseException | None]
 
@@ -69,12 +75,26 @@ class EngineCore:
         #: stepped runners batch whatever has been admitted; executing ones take one at a time
         self.batching = stepped
         self._pending: collections.deque[tuple[Any, Any]] = collections.deque()
+        add_stream, cancel = getattr(self.runner, "add_stream", None), getattr(self.runner, "cancel", None)
+        self._add_stream = add_stream if stepped and callable(add_stream) else None
+        self._cancel = cancel if stepped and callable(cancel) else None
+        self._streams: set[Any] = set()  # streamed ids the runner holds and may be told to cancel
 
-    def add(self, request_id: Any, request: Any) -> None:
-        if self.batching:
-            self.runner.add(request_id, request)
-        else:
+    def add(self, request_id: Any, request: Any, stream: bool = False) -> None:
+        if not self.batching:
             self._pending.append((request_id, request))
+        elif stream and self._add_stream is not None:
+            self._add_stream(request_id, request)
+            if self._cancel is not None:
+                self._streams.add(request_id)
+        else:
+            self.runner.add(request_id, request)
+
+    def cancel(self, request_id: Any) -> None:
+        """The caller left the stream ``request_id``: the runner's ``cancel``, if it still holds it."""
+        if request_id in self._streams:
+            self._streams.discard(request_id)
+            self._cancel(request_id)
 
     def has_unfinished(self) -> bool:
         return self.runner.has_unfinished() if self.batching else bool(self._pending)
@@ -83,11 +103,14 @@ class EngineCore:
         """Advance the runner once; returns the requests that finished."""
         if self.batching:
             done = []
+            streams = self._streams
             for request_id, outcome in self.runner.step():
                 if isinstance(outcome, BaseException):
                     done.append((request_id, None, outcome))
                 else:
                     done.append((request_id, outcome, None))
+                if streams and not isinstance(outcome, Partial):
+                    streams.discard(request_id)
             return done
         if not self._pending:
             return []

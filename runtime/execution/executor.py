@@ -49,12 +49,24 @@ class ReplicaExecutor(abc.ABC):
 
     # -- what subclasses implement -------------------------------------------------
 
+    #: whether ``_submit`` takes a ``stream`` (a ``StreamCall``) and sends it partial chunks;
+    #: otherwise a streamed request is submitted as any other and its one chunk is the result
+    streams: bool = False
+
     @abc.abstractmethod
-    def _submit(self, request: Any, future: Future) -> None:
-        """Start ``request``; complete ``future`` later (from any thread)."""
+    def _submit(self, request: Any, future: Future, stream: Any = None) -> None:
+        """Start ``request``; complete ``future`` later (from any thread). ``stream`` (executors
+        with ``streams``): a ``StreamCall`` for its partial chunks, whose cancel hook it binds."""
 
     def _new_future(self) -> Future:
         return Future()
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """``Engine.empty`` on this replica: an ordinary tensor (this replica reads the caller's
+        memory as it is); a local replica lends a block of its shared memory instead."""
+        import torch
+
+        return torch.empty(shape, dtype=dtype)
 
     @abc.abstractmethod
     def close(self, timeout: float | None = None) -> None:
@@ -87,8 +99,9 @@ class ReplicaExecutor(abc.ABC):
             self._error = reason
             return True
 
-    def submit(self, request: Any) -> Future:
-        """Hand ``request`` to this replica; its future completes later (from any thread)."""
+    def submit(self, request: Any, stream: Any = None) -> Future:
+        """Hand ``request`` to this replica; its future completes later (from any thread).
+        ``stream``: a ``StreamCall`` for a request submitted as a stream."""
         error = self.error
         if error is not None:
             raise EngineUnavailableError(f"replica {self.index} is not serving: {error}")
@@ -97,7 +110,10 @@ class ReplicaExecutor(abc.ABC):
             self._inflight += 1
         future.add_done_callback(self._done)
         try:
-            self._submit(request, future)
+            if stream is not None and self.streams:
+                self._submit(request, future, stream)
+            else:
+                self._submit(request, future)
         except BaseException as exc:
             if not future.done():
                 future.set_exception(exc)

@@ -19,6 +19,11 @@ Invariants:
 - The serve thread is a daemon: an engine nobody closed never keeps the interpreter
   alive; ``Engine`` closes it from a ``weakref.finalize`` at exit.
 
+Streams: a streamed request's ``StreamCall`` gets each ``Partial`` chunk from the serve
+thread; its cancel cancels the future while queued, else asks the serve thread to pass
+``cancel`` to the runner before its next step (the future then completes as the runner
+reports the id, and the caller has stopped listening).
+
 ``IdleRunner`` (``Engine.inline_runner()``) is the one extra capability, for a server that
 wants an idle engine to answer in the thread that read the request (no hop to the serve
 thread and back). ``run(request, hand_over)`` validates the request with the plugin's
@@ -33,6 +38,8 @@ and the caller submits the request as usual.
 
 from __future__ import annotations
 
+import collections
+import functools
 import itertools
 import queue
 import threading
@@ -42,6 +49,7 @@ from typing import Any, Callable
 from runtime.core.errors import EngineUnavailableError
 from runtime.execution.executor import ReplicaExecutor
 from runtime.core.futures import resolve
+from runtime.core.plugins import Partial
 from runtime.execution.engine_core import EngineCore
 
 _STOP = object()
@@ -50,6 +58,7 @@ _DECLINED: tuple[bool, Any, BaseException | None] = (False, None, None)
 
 class InlineExecutor(ReplicaExecutor):
     mode = "inline"
+    streams = True
 
     def __init__(self, core: EngineCore, index: int = 0, devices: tuple[int, ...] = ()) -> None:
         super().__init__(index, devices)
@@ -57,17 +66,27 @@ class InlineExecutor(ReplicaExecutor):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
         self._running: dict[int, Future] = {}
+        self._streams: dict[int, Any] = {}  # request id -> StreamCall, while running
+        self._cancels: collections.deque = collections.deque()  # streams to cancel before the next step
         self._closed = False
         self._close_lock = threading.Lock()
         self._exec_lock = threading.Lock()  # held while the runner runs, by either thread
         self._thread = threading.Thread(target=self._serve, name=f"phyrt-inline-{index}", daemon=True)
         self._thread.start()
 
-    def _submit(self, request: Any, future: Future) -> None:
+    def _submit(self, request: Any, future: Future, stream: Any = None) -> None:
         with self._close_lock:
             if self._closed:
                 raise EngineUnavailableError("the engine is closed")
-            self._queue.put((next(self._ids), request, future))
+            request_id = next(self._ids)
+            self._queue.put((request_id, request, future, stream))
+        if stream is not None:
+            stream.bind_cancel(functools.partial(self._cancel_stream, request_id, future))
+
+    def _cancel_stream(self, request_id: int, future: Future) -> None:
+        """A stream's cancel hook (any thread): dropped while queued, else cancelled by the runner."""
+        if not future.cancel():
+            self._cancels.append(request_id)
 
     # -- the serve thread ----------------------------------------------------------
 
@@ -85,8 +104,16 @@ class InlineExecutor(ReplicaExecutor):
                 # so a deadline can still cancel it
                 with self._exec_lock:
                     self._admit(taken)
+                    while self._cancels:
+                        core.cancel(self._cancels.popleft())
                     done = core.step() if core.has_unfinished() else []
                 for request_id, result, error in done:
+                    if type(result) is Partial:
+                        stream = self._streams.get(request_id)
+                        if stream is not None:
+                            stream.put(result.chunk)
+                        continue
+                    self._streams.pop(request_id, None)
                     future = self._running.pop(request_id, None)
                     if future is None:
                         continue
@@ -134,10 +161,10 @@ class InlineExecutor(ReplicaExecutor):
         finally:
             self._exec_lock.release()
 
-    def _take(self, block: bool) -> tuple[list[tuple[int, Any, Future]], bool]:
+    def _take(self, block: bool) -> tuple[list[tuple[int, Any, Future, Any]], bool]:
         """Queued requests: one (waiting for it if ``block``), or, for a batching runner, all
         there are; and True once asked to stop."""
-        taken: list[tuple[int, Any, Future]] = []
+        taken: list[tuple[int, Any, Future, Any]] = []
         while True:
             try:
                 item = self._queue.get(block=block)
@@ -150,26 +177,29 @@ class InlineExecutor(ReplicaExecutor):
             if not self._core.batching:
                 return taken, False
 
-    def _admit(self, taken: list[tuple[int, Any, Future]]) -> None:
+    def _admit(self, taken: list[tuple[int, Any, Future, Any]]) -> None:
         """Holding the runner: move ``taken`` into the core (those not cancelled meanwhile)."""
-        for request_id, request, future in taken:
+        for request_id, request, future, stream in taken:
             if not future.set_running_or_notify_cancel():
                 continue  # cancelled while queued
             try:
-                self._core.add(request_id, request)
+                self._core.add(request_id, request, stream is not None)
             except Exception as exc:
                 future.set_exception(exc)
                 continue
             self._running[request_id] = future
+            if stream is not None:
+                self._streams[request_id] = stream
 
-    def _give_back(self, taken: list[tuple[int, Any, Future]], reason: str) -> None:
+    def _give_back(self, taken: list[tuple[int, Any, Future, Any]], reason: str) -> None:
         """Requests that will not run: cancelled if still possible, else failed with ``reason``."""
-        for _, _, future in taken:
+        for _, _, future, _ in taken:
             if not future.cancel():
                 _fail(future, reason)
 
     def _fail_running(self, reason: str, cause: BaseException | None = None) -> None:
         running, self._running = self._running, {}
+        self._streams = {}
         for future in running.values():
             _fail(future, reason, cause)
 

@@ -23,6 +23,7 @@ from runtime.execution.executor import ReplicaExecutor
 
 class MultiprocessExecutor(ReplicaExecutor):
     mode = "local"
+    streams = True
 
     def __init__(self, supervisor: Any, index: int, devices: tuple[int, ...], group: int | None = None) -> None:
         """``index``: the replica's index in the engine; ``group``: its group in ``supervisor``
@@ -45,11 +46,15 @@ class MultiprocessExecutor(ReplicaExecutor):
         # waiting on it reads the ranks' answers in the waiting thread when no other thread does
         return self._supervisor.new_future()
 
-    def _submit(self, request: Any, future: Future) -> None:
+    def _submit(self, request: Any, future: Future, stream: Any = None) -> None:
         # ranks start work as soon as it is sent and cannot take it back: from here the
-        # future is running, so cancel() answers False (only queued inline work cancels)
+        # future is running, so cancel() answers False (only queued inline work cancels;
+        # a stream's cancel reaches the ranks' runners instead)
         future.set_running_or_notify_cancel()
-        self._supervisor.submit(self._group, request, future)
+        self._supervisor.submit(self._group, request, future, stream)
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        return self._supervisor.empty(self._group, shape, dtype)
 
     def close(self, timeout: float | None = None) -> None:
         self.mark_failed("the engine is closed")

@@ -26,10 +26,20 @@ Lifecycle on a rank (the worker owns the default group)::
                                    size > 1 (its own or not), in ``group_layout``
                                    order; names with the same rank set share one
                                    group, "world" is the default group, and over
-                                   nccl a gloo world group is added (``cpu_group``)
+                                   nccl a gloo world group is added (``cpu_group``);
+                                   then each gloo group of one host gets its
+                                   shared-memory segment (below)
     ... plugin build / forward passes call P.* ...
-    P.destroy()                    forgets the groups (does not destroy them)
+    P.destroy()                    forgets the groups (does not destroy them) and
+                                   unmaps their shared memory
     dist.destroy_process_group()   worker: tears down the world and every subgroup
+
+Shared memory. A gloo group whose ranks all run on this host (same boot, pid namespace
+and uid; ``shm_setup``) runs its collectives on CPU tensors through one shared segment
+(``shm_collectives``): microseconds where gloo's loopback TCP takes about a millisecond.
+Results are bitwise the same on every rank; a dead peer raises instead of hanging.
+gloo stays the path of other groups, of CUDA tensors, of reductions of other dtypes,
+and of every group when ``initialize(..., shared_memory=False)``.
 
 Not initialized (inline mode, one rank), every group is the single rank 0 and every
 collective returns its input. A group of size 1 after ``initialize`` takes the same
@@ -48,6 +58,10 @@ import torch
 import torch.distributed as dist
 
 from runtime.core.config import ParallelConfig
+from runtime.parallel.shm_collectives import REDUCE_DTYPES
+from runtime.parallel.shm_setup import create as _create_shm
+from runtime.transport.shm_names import new_run_id
+from runtime.transport.spin import budget_ns
 
 GROUP_NAMES = (
     "world", "pipeline", "cfg", "dense_tp", "dense_dp",
@@ -114,6 +128,7 @@ class _Group:
     ranks: tuple[int, ...]  # world ranks in group-rank order
     rank: int               # this process's group rank
     handle: Any             # a ProcessGroup, or None for a single-rank group
+    shm: Any = None         # its ShmGroup where its ranks share memory, else None
 
 
 @dataclass(frozen=True)
@@ -122,18 +137,24 @@ class _State:
     world_rank: int
     groups: dict[str, _Group]
     cpu_group: Any
+    cpu_shm: Any            # the ShmGroup of cpu_group, or None
+    shm_groups: tuple[Any, ...]  # every ShmGroup this rank holds (closed by destroy)
 
 
 _state: _State | None = None
 
 
-def initialize(parallel: ParallelConfig, rank: int, *, backend: str | None = None) -> None:
+def initialize(parallel: ParallelConfig, rank: int, *, backend: str | None = None, run_id: str | None = None,
+               shared_memory: bool = True) -> None:
     """Create every named group on this rank (collective: every rank of the world calls it).
 
     Call after ``torch.distributed.init_process_group`` made the replica's world.
     ``backend`` is used for the new groups (default: the world's backend). Over nccl a
     gloo group over the world is also made for CPU control messages (``cpu_group``).
     A one-rank layout may be initialized without a process group at all.
+    ``run_id`` names the shared-memory segments (``phyrt-<run_id>-...``: the supervisor's
+    run, so that its sweeps know them; a fresh id when None); ``shared_memory=False``
+    keeps every collective on the process groups' own backend.
     """
     global _state
     if _state is not None:
@@ -165,17 +186,43 @@ def initialize(parallel: ParallelConfig, rank: int, *, backend: str | None = Non
             cpu_group = dist.group.WORLD
         else:
             cpu_group = dist.new_group(list(layout["world"][0]), backend="gloo")
+    shm = _make_shm(handles, cpu_group, rank, run_id or new_run_id()) if dist_up and shared_memory else {}
     groups = {
-        name: _Group(ranks, ranks.index(rank), handles.get(ranks) if len(ranks) > 1 else None)
+        name: _Group(ranks, ranks.index(rank), handles.get(ranks) if len(ranks) > 1 else None, shm.get(ranks))
         for name, ranks in mine.items()
     }
-    _state = _State(parallel, rank, groups, cpu_group)
+    cpu_shm = shm.get("cpu", shm.get(layout["world"][0]))
+    _state = _State(parallel, rank, groups, cpu_group, cpu_shm, tuple(g for g in shm.values() if g is not None))
+
+
+def _make_shm(handles: dict[tuple[int, ...], Any], cpu_group: Any, rank: int, run_id: str) -> dict[Any, Any]:
+    """A ShmGroup (or None) for each gloo group of this rank, keyed like ``handles``; "cpu"
+    for a gloo ``cpu_group`` over an nccl world. Every rank visits the groups in the same
+    order, so each group's members make it together."""
+    spin_ns = budget_ns("worker")
+    made: dict[Any, Any] = {}
+    try:
+        for ranks, handle in handles.items():
+            if rank in ranks and len(ranks) > 1 and dist.get_backend(handle) == "gloo":
+                made[ranks] = _create_shm(handle, ranks, ranks.index(rank), run_id, spin_ns=spin_ns)
+        if cpu_group is not None and cpu_group is not dist.group.WORLD:
+            world = tuple(range(dist.get_world_size()))
+            made["cpu"] = _create_shm(cpu_group, world, rank, run_id, spin_ns=spin_ns)
+    except BaseException:
+        for group in made.values():
+            if group is not None:
+                group.close()
+        raise
+    return made
 
 
 def destroy() -> None:
-    """Forget the groups. The worker's ``dist.destroy_process_group()`` frees them."""
+    """Forget the groups and unmap their shared memory. The worker's
+    ``dist.destroy_process_group()`` frees the process groups."""
     global _state
-    _state = None
+    state, _state = _state, None
+    for group in state.shm_groups if state is not None else ():
+        group.close()
 
 
 def is_initialized() -> bool:
@@ -185,6 +232,11 @@ def is_initialized() -> bool:
 def cpu_group() -> Any:
     """The gloo group over the world for control messages (None when not initialized)."""
     return _state.cpu_group if _state is not None else None
+
+
+def uses_shared_memory(group: str = "world") -> bool:
+    """Whether ``group``'s collectives on CPU tensors go through shared memory."""
+    return _group(group).shm is not None
 
 
 def parallel_config() -> ParallelConfig | None:
@@ -244,8 +296,12 @@ def all_reduce(x: Any, group: str, op: str = "sum") -> Any:
         return x
     if op == "avg" and not x.is_floating_point():
         raise TypeError(f"all_reduce op 'avg' needs a floating tensor, got {x.dtype}")
-    reduce_op = getattr(dist.ReduceOp, _DIST_OPS[op])
-    _in_place(x, lambda buf: dist.all_reduce(buf, op=reduce_op, group=g.handle))
+    if g.shm is not None and x.device.type == "cpu" and x.dtype in REDUCE_DTYPES:
+        shm_op = "sum" if op == "avg" else op
+        _in_place(x, lambda buf: g.shm.all_reduce(buf, shm_op))
+    else:
+        reduce_op = getattr(dist.ReduceOp, _DIST_OPS[op])
+        _in_place(x, lambda buf: dist.all_reduce(buf, op=reduce_op, group=g.handle))
     return x.div_(len(g.ranks)) if op == "avg" else x
 
 
@@ -255,6 +311,8 @@ def all_gather(x: Any, group: str, dim: int = 0) -> Any:
     if g.handle is None:
         return x
     x = x.contiguous()
+    if g.shm is not None and x.device.type == "cpu":
+        return torch.cat([row.view(x.shape) for row in g.shm.all_gather(x)], dim=dim)
     parts = [torch.empty_like(x) for _ in g.ranks]
     dist.all_gather(parts, x, group=g.handle)
     return torch.cat(parts, dim=dim)
@@ -268,6 +326,9 @@ def gather(x: Any, group: str, dst: int = 0, dim: int = 0) -> Any:
     if g.handle is None:
         return x
     x = x.contiguous()
+    if g.shm is not None and x.device.type == "cpu":
+        rows = g.shm.all_gather(x, keep=g.rank == dst)
+        return torch.cat([row.view(x.shape) for row in rows], dim=dim) if rows is not None else None
     parts = [torch.empty_like(x) for _ in g.ranks] if g.rank == dst else None
     dist.gather(x, parts, dst=g.ranks[dst], group=g.handle)
     return torch.cat(parts, dim=dim) if parts is not None else None
@@ -280,10 +341,26 @@ def broadcast(x: Any, group: str, src: int = 0) -> Any:
         raise ValueError(f"broadcast src must be a group rank in [0, {len(g.ranks)}) of {group!r}, got {src!r}")
     if g.handle is None:
         return x
+    if g.shm is not None and x.device.type == "cpu":
+        return _in_place(x, lambda buf: g.shm.broadcast(buf, src))
     return _in_place(x, lambda buf: dist.broadcast(buf, src=g.ranks[src], group=g.handle))
+
+
+def cpu_broadcast(x: Any, src: int = 0) -> Any:
+    """Overwrite CPU tensor ``x`` in place with world rank ``src``'s over ``cpu_group()`` (by
+    shared memory where the world is one host) and return it; for control data such as a
+    step's plan, on any backend."""
+    if _state is None or _state.cpu_group is None:
+        _group("world")  # raises on a multi-rank world that was never initialized
+        return x
+    if _state.cpu_shm is not None:
+        return _in_place(x, lambda buf: _state.cpu_shm.broadcast(buf, src))
+    return _in_place(x, lambda buf: dist.broadcast(buf, src=src, group=_state.cpu_group))
 
 
 def barrier(group: str = "world") -> None:
     g = _group(group)
-    if g.handle is not None:
+    if g.shm is not None:
+        g.shm.barrier()
+    elif g.handle is not None:
         dist.barrier(group=g.handle)

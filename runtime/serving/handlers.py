@@ -8,6 +8,9 @@ and ``runtime.core.errors`` of the project.
       submit  -> limits, tensors resolved (frames: read-only views; shm: the sender's own segments)
                  -> idle inline engine and a ``turn``: IdleRunner.run here (turn.hand_over first)
                  -> else engine.submit; Replies.on_done sends the reply from the engine's thread
+      stream  -> as submit, then engine.submit_stream: Replies.chunk sends each chunk from the
+                 engine's thread, Replies.on_done the last (``final``); cancel, a deadline or a
+                 chunk the client does not take cancel it (the runner frees what it holds)
       cancel, ping, info, register, release -> answered here (release: no reply)
       a malformed message -> an InvalidRequest reply; a refused one -> its typed error reply
     settle()        the I/O thread's share of the replies (Replies.settle)
@@ -166,8 +169,9 @@ class MessageHandler:
             client = self.shm.get(identity)
             if client is not None:
                 client.last_seen = started
-            if op == "submit":
-                self._op_submit(identity, request_id, header, frames[1:], client, bool(refs), turn)
+            if op == "submit" or op == "stream":
+                self._op_submit(identity, request_id, header, frames[1:], client, bool(refs),
+                                turn if op == "submit" else None, op == "stream")
             else:
                 getattr(self, f"_op_{op}")(identity, request_id, header, frames[1:], client)
         except ProtocolError as exc:
@@ -181,8 +185,9 @@ class MessageHandler:
     # -- submit -------------------------------------------------------------------------
 
     def _op_submit(self, identity: bytes, request_id: Any, header: dict, frames: list, client: ClientShm | None,
-                   tensors: bool, turn: Turn | None) -> None:
-        """``tensors``: the header holds tensor references (False: the payload is plain data).
+                   tensors: bool, turn: Turn | None, stream: bool = False) -> None:
+        """``tensors``: the header holds tensor references (False: the payload is plain data);
+        ``stream``: a stream op (never run here).
 
         The result blocks a submit's ``release`` gives back are freed once the request is
         answered or handed to the engine: a request run here waits for nothing but its run."""
@@ -195,7 +200,9 @@ class MessageHandler:
         try:
             req, payload = self._admit(identity, request_id, header, frames, client, tensors, timeout_s,
                                        shm_results)
-            if turn is None or self._runner is None or not self._run_here(req, payload, turn):
+            if stream:
+                self._submit_stream(req, payload)
+            elif turn is None or self._runner is None or not self._run_here(req, payload, turn):
                 self._submit(req, payload)
         finally:
             if released and client is not None:
@@ -233,6 +240,19 @@ class MessageHandler:
         self.requests.add(req)
         future.add_done_callback(functools.partial(self.replies.on_done, req))
 
+    def _submit_stream(self, req: Request, payload: Any) -> None:
+        try:
+            call = self._engine.submit_stream(payload, functools.partial(self.replies.chunk, req))
+        except EngineUnavailableError as exc:
+            raise Rejected("EngineUnavailable", str(exc)) from None
+        except Exception as exc:  # the plugin's validate_request refused it
+            raise Rejected("InvalidRequest", f"{type(exc).__name__}: {exc}") from None
+        req.stream, req.future = call, call.future
+        if req.overflow:  # a chunk went unsent before the call was known here
+            call.cancel()
+        self.requests.add(req)
+        call.future.add_done_callback(functools.partial(self.replies.on_done, req))
+
     def _run_here(self, req: Request, payload: Any, turn: Turn) -> bool:
         """Run ``req`` in this thread if the engine is idle (True: answered, or failing as a
         submitted request would); the loop is handed over first and taken back after the reply."""
@@ -263,6 +283,9 @@ class MessageHandler:
         req = self.requests.get((identity, target))
         if req is None or req.replied:
             outcome = {"cancelled": False, "detail": f"request {target!r} is not in flight"}
+        elif req.stream is not None:  # its final reply follows once the runner let go of it
+            req.stream.cancel()
+            outcome = {"cancelled": True, "detail": "the stream was cancelled"}
         elif not self._cancellable:
             outcome = {"cancelled": False, "detail": "requests on local replicas go to their ranks at once "
                                                      "and cannot be cancelled"}

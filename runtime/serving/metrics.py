@@ -41,7 +41,7 @@ __all__ = ["ERROR_TYPES", "OPS", "MetricsServer", "NullMetrics", "ReplicaSample"
            "start_metrics_server"]
 
 #: the protocol's ops (runtime.client's docstring); anything else is counted as "other"
-OPS = ("submit", "cancel", "ping", "info", "register", "release")
+OPS = ("submit", "stream", "cancel", "ping", "info", "register", "release")
 #: the protocol's error types (runtime.client.ERROR_TYPES); anything else is counted as "other"
 ERROR_TYPES = ("InvalidRequest", "DeadlineExceeded", "Overloaded", "EngineUnavailable", "PluginError", "Cancelled")
 #: request durations from 100 µs (a small request on the same host) to a minute (a long generation)

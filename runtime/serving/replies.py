@@ -17,6 +17,11 @@ Invariants:
 - Error replies carry a type of the protocol and a message, never a traceback.
 - ``send`` never blocks (``ServerSocket.send``): a client that does not read loses only
   its own replies; result blocks of a reply not sent are given back at once.
+- A stream's chunks (``chunk``, from the engine's thread) go out at once, numbered by
+  ``seq``, and only while no reply ended the stream; the server keeps none. A chunk that
+  cannot be sent (the client's queue is full: it does not read) cancels the stream, whose
+  reply is then an ``Overloaded`` error. The final reply carries the last chunk,
+  ``final: true`` and the next ``seq``.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from runtime.serving.requests import InFlight, Outcome, Request, outcome_of
+from runtime.serving.requests import InFlight, Outcome, Request, outcome_of, outcome_of_result
 from runtime.transport.protocol import PROTOCOL_VERSION
 
 #: ``send(identity, header, frames=()) -> bool``: False when the reply could not be sent
@@ -56,6 +61,22 @@ class Replies:
 
     # -- a submit's outcome ---------------------------------------------------------------
 
+    def chunk(self, req: Request, chunk: Any) -> None:
+        """A stream's partial chunk (the engine's thread): sent at once, or the stream cancelled."""
+        if req.replied or req.overflow:
+            return
+        outcome = outcome_of_result(req, chunk, None)
+        if outcome.error is None and self._send(req.identity, {
+                "v": PROTOCOL_VERSION, "op": "stream", "id": req.id, "ok": True, "result": outcome.result,
+                "seq": req.seq}, outcome.frames):
+            req.seq += 1
+            return
+        if outcome.blocks:
+            req.client.release(outcome.blocks, mapped=False)
+        req.overflow = True  # a chunk lost: the stream cannot go on
+        if req.stream is not None:
+            req.stream.cancel()
+
     def on_done(self, req: Request, future: Future) -> None:
         """The engine future's done callback: encode and send the reply where the future
         completed, unless a deadline answered first (then the I/O thread finishes it)."""
@@ -74,8 +95,15 @@ class Replies:
         """Send ``req``'s reply (any thread; the request has been claimed for it)."""
         self._metrics.on_reply(outcome.error is None, outcome.error[0] if outcome.error else None,
                                time.monotonic() - req.arrived)
+        if req.overflow and outcome.error is None:
+            outcome.error = ("Overloaded", "a chunk of this stream could not be sent (the client's queue was "
+                                           "full: it did not read), so the stream was cancelled")
         if outcome.error is not None:
-            sent = self.error(req.identity, "submit", req.id, *outcome.error)
+            sent = self.error(req.identity, req.op, req.id, *outcome.error)
+        elif req.stream is not None:
+            sent = self._send(req.identity, {"v": PROTOCOL_VERSION, "op": "stream", "id": req.id, "ok": True,
+                                             "result": outcome.result, "seq": req.seq, "final": True},
+                              outcome.frames)
         else:
             sent = self._send(req.identity, {"v": PROTOCOL_VERSION, "op": "submit", "id": req.id, "ok": True,
                                              "result": outcome.result}, outcome.frames)
@@ -97,7 +125,7 @@ class Replies:
             if outcome.late and not req.replied:
                 req.replied = True
                 self._metrics.on_reply(False, "DeadlineExceeded", time.monotonic() - req.arrived)
-                self.error(req.identity, "submit", req.id, "DeadlineExceeded",
+                self.error(req.identity, req.op, req.id, "DeadlineExceeded",
                            f"no result within timeout_s={req.timeout_s} (the request was still running; "
                            "its result came too late and was dropped)")
             if req.replied:  # a deadline answered it already
@@ -113,8 +141,10 @@ class Replies:
         for req in self._requests.expired(now):  # neither answered nor done; marked replied
             self._metrics.on_reply(False, "DeadlineExceeded", now - req.arrived)
             cancelled = self._cancellable and req.future.cancel()
+            if req.stream is not None:
+                req.stream.cancel()  # its runner lets go of it (an LLM's KV blocks, say)
             req.notify_inputs = req.holds_inputs and not cancelled
             state = "cancelled while queued" if cancelled else "still running; its result will be dropped"
-            self.error(req.identity, "submit", req.id, "DeadlineExceeded",
+            self.error(req.identity, req.op, req.id, "DeadlineExceeded",
                        f"no result within timeout_s={req.timeout_s} (the request was {state})",
                        inputs_held=req.notify_inputs)

@@ -47,6 +47,7 @@ MAX_MESSAGE_CHARS = 2000
 #: the fields each op may carry besides HEADER_FIELDS; anything else is refused
 OP_FIELDS = {
     "submit": frozenset({"payload", "timeout_s", "shm_results", "release"}),
+    "stream": frozenset({"payload", "timeout_s", "shm_results", "release"}),
     "cancel": frozenset({"target"}),
     "ping": frozenset(),
     "info": frozenset(),
@@ -68,7 +69,7 @@ class Request:
     """One submit the engine holds (a plain class with slots: one is made per request)."""
 
     __slots__ = ("identity", "id", "future", "timeout_s", "client", "shm_results", "holds_inputs", "replied",
-                 "notify_inputs", "deadline", "arrived")
+                 "notify_inputs", "deadline", "arrived", "stream", "seq", "overflow")
 
     def __init__(self, identity: bytes, id: Any, future: "Future | RunningHere | None" = None,
                  timeout_s: float | None = None, client: ClientShm | None = None, shm_results: bool = False,
@@ -85,10 +86,17 @@ class Request:
         self.notify_inputs = notify_inputs  # tell the client when the engine lets go of its inputs
         self.deadline = deadline  # monotonic; set when the engine takes the request
         self.arrived = time.monotonic() if arrived is None else arrived
+        self.stream: Any = None  # a stream op's StreamCall (``Engine.submit_stream``)
+        self.seq = 0  # chunks of a stream sent so far
+        self.overflow = False  # a chunk could not be sent: the stream was cancelled
 
     @property
     def key(self) -> tuple[bytes, Any]:
         return self.identity, self.id
+
+    @property
+    def op(self) -> str:
+        return "submit" if self.stream is None else "stream"
 
 
 class Outcome:

@@ -32,8 +32,11 @@ unique among that connection's requests in flight:
 
     submit    payload, [timeout_s: seconds, the request's deadline], [shm_results: bool],
               [release: blocks, as a release's; freed once the request is answered or queued]
+    stream    the fields of a submit; the result comes as chunks (below); timeout_s bounds
+              the whole stream
     cancel    target: the id of a submit (only a request still queued on an inline
-              engine can be cancelled; local replicas run what they were sent)
+              engine can be cancelled; local replicas run what they were sent), or of a
+              stream (always: its runner drops it; the stream's final reply still follows)
     ping      -                       -> {server_id, time}
     info      -                       -> plugin, topology, replicas' health and
                                          in-flight counts, versions, limits
@@ -46,6 +49,16 @@ or ``{..., "ok": false, "error": {"type": T, "message": M}}`` with T one of
 that cannot be parsed gets ``op`` and ``id`` null. A submit reply may carry
 ``inputs_held: true`` (see below). The server may also send
 ``{"op": "inputs_done", "id": ID}`` unasked.
+
+Streams. A ``stream`` request gets any number of chunk replies
+``{"v": 1, "op": "stream", "id": ID, "ok": true, "result": CHUNK, "seq": N}`` (N = 0, 1, ...
+in order), then one final reply: ``{..., "ok": true, "result": LAST_CHUNK, "seq": N, "final":
+true}`` or an error reply (``"op": "stream"``), which ends it too. What a chunk holds is the
+plugin's (``runtime.core.plugins``); a plugin that does not stream sends its result as the
+last chunk. Flow control: the server keeps no chunk; each goes out at once, and ZMQ's queue
+toward that client (SNDHWM, 1000 messages) is the bound. A chunk that finds it full cancels
+the stream, whose final reply is then an ``Overloaded`` error; a gap in ``seq`` tells the
+client a chunk was lost.
 
 Same-host shared memory (ipc:// only). Inputs: the client creates segments in its
 own ``ShmArena`` (run id of its own) and registers each one before the first request
@@ -127,13 +140,16 @@ class PayloadEncoder:
     """Turns a payload into msgpack-ready data; tensors go to ``frames`` or shared memory.
 
     ``copy=True`` snapshots every tensor (a caller may change its array once submit
-    returns); ``place(nbytes)`` returns ``(segment, offset, view)`` or None.
+    returns); ``place(nbytes)`` returns ``(segment, offset, view)`` or None; ``borrow(address,
+    nbytes)`` finds a tensor that already lies in a lent block of that arena (``Client.empty``).
     """
 
     def __init__(self, *, copy: bool, place: Callable[[int], tuple[str, int, memoryview] | None] | None = None,
-                 shm_threshold: int = DEFAULT_SHM_THRESHOLD) -> None:
+                 shm_threshold: int = DEFAULT_SHM_THRESHOLD,
+                 borrow: Callable[[int, int], tuple[str, int, int] | None] | None = None) -> None:
         self.copy = copy
         self.place = place
+        self.borrow = borrow  # ``ShmArena.borrow`` of the arena ``place`` takes from (``Client.empty``)
         self.shm_threshold = shm_threshold
         self.frames: list[Any] = []
         self.blocks: list[tuple[str, int]] = []
@@ -162,6 +178,12 @@ class PayloadEncoder:
 
     def _tensor(self, obj: Any, name: str) -> msgpack.ExtType:
         shape, flat = _host_bytes(obj)
+        if self.borrow is not None and flat.nbytes >= self.shm_threshold:
+            lent = self.borrow(flat.ctypes.data, flat.nbytes)  # an array Client.empty made: sent where it lies
+            if lent is not None:
+                segment, block, offset = lent
+                self.blocks.append((segment, block))
+                return codec.ext(EXT_SHM, msgpack.packb([segment, offset, name, shape]))
         if self.place is not None and flat.nbytes >= self.shm_threshold:
             placed = self.place(flat.nbytes)
             if placed is not None:

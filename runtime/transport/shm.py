@@ -37,6 +37,7 @@ what a peer still viewing it sees, so free only after the peer is done.
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import mmap
 import os
@@ -47,6 +48,7 @@ import weakref
 import numpy as np
 
 from runtime.core.errors import ProtocolError
+from runtime.transport.lending import LentBlocks
 from runtime.transport.shm_names import (NAME_RE, SHM_DIR, check_run_id, new_run_id, sweep_creators, sweep_run,
                                          sweep_stale, unlink_quiet)
 
@@ -136,6 +138,8 @@ class ShmArena:
         self._linked: set[str] = set()
         self._finalizer = weakref.finalize(self, _unlink_names, self._pid, self._linked)
         self._closed = False
+        self._lent = LentBlocks()  # blocks a caller writes and sends as they are (runtime.transport.lending)
+        self._let_go: collections.deque[tuple[str, int]] = collections.deque()  # see let_go
         self._grow(capacity_bytes)
 
     @property
@@ -187,6 +191,8 @@ class ShmArena:
         with self._lock:
             if self._closed:
                 raise ValueError("the arena is closed")
+            if self._let_go:
+                self._settle()
             for seg in self._segments.values():
                 offset = seg.take(size)
                 if offset is not None:
@@ -197,15 +203,52 @@ class ShmArena:
                 offset = seg.take(size)
             return seg.name, offset, memoryview(seg.mm)[offset:offset + nbytes]
 
+    def lend(self, nbytes: int) -> tuple[str, int, memoryview, int]:
+        """``place``, for a caller who fills the block and sends it as it is: (segment, offset,
+        view, address of the view). The caller holds the block until it lets go once (``free``,
+        or ``let_go`` from a finalizer); each message that ``borrow``s it holds it until its own
+        ``free``."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
+            raise ValueError(f"a lent block holds at least 1 byte, got {nbytes!r}")
+        segment, offset, view = self.place(nbytes)
+        address = np.frombuffer(view, dtype=np.uint8).ctypes.data
+        with self._lock:
+            self._lent.add(segment, offset, address, nbytes)
+        return segment, offset, view, address
+
+    def borrow(self, address: int, nbytes: int) -> tuple[str, int, int] | None:
+        """The lent block that holds ``nbytes`` bytes from ``address``, with one more holder:
+        (segment, block offset to ``free`` later, offset of ``address``); None if no lent block
+        of this arena holds them (the tensor is copied as any other)."""
+        with self._lock:
+            return None if self._closed else self._lent.find(address, nbytes)
+
     def free(self, segment: str, offset: int) -> None:
-        """Give a block back. A no-op after close(), so teardown order does not matter."""
+        """Give a block back (a lent one once its last holder let go). A no-op after close(), so
+        teardown order does not matter."""
         with self._lock:
             if self._closed:
                 return
-            seg = self._segments.get(segment)
-            if seg is None or offset not in seg.used:
-                raise ValueError(f"no block is placed at {segment!r}+{offset!r}")
-            seg.give_back(offset)
+            if self._let_go:
+                self._settle()
+            self._give_back(segment, offset)
+
+    def let_go(self, segment: str, offset: int) -> None:
+        """``free`` later, from any thread, without the lock: for a finalizer, which may run while
+        this very thread holds it. Done at the next ``place`` or ``free``."""
+        self._let_go.append((segment, offset))
+
+    def _settle(self) -> None:
+        while self._let_go:
+            self._give_back(*self._let_go.popleft())
+
+    def _give_back(self, segment: str, offset: int) -> None:
+        if self._lent.drop(segment, offset) is False:
+            return  # a lent block that is still held
+        seg = self._segments.get(segment)
+        if seg is None or offset not in seg.used:
+            raise ValueError(f"no block is placed at {segment!r}+{offset!r}")
+        seg.give_back(offset)
 
     def unlink(self, name: str) -> None:
         """Remove the segment's name; every existing mapping stays valid."""
@@ -229,6 +272,7 @@ class ShmArena:
                 return
             self._closed = True
             segments, self._segments = list(self._segments.values()), {}
+            self._lent.clear()
         _unlink_names(self._pid, self._linked)
         for seg in segments:
             _release(seg.mm)

@@ -72,7 +72,9 @@ _REFUSAL = "cannot encode {}"
 
 
 class Allocator(Protocol):
-    """Where the encoder puts large CPU tensors (``runtime.transport.shm.ShmArena``)."""
+    """Where the encoder puts large CPU tensors (``runtime.transport.shm.ShmArena``). One that
+    also has ``borrow(address, nbytes) -> (segment, block offset, offset) | None`` (a lent
+    block, ``runtime.transport.lending``) gets tensors already in its memory sent without a copy."""
 
     def place(self, nbytes: int) -> tuple[str, int, memoryview]: ...
 
@@ -171,6 +173,8 @@ def _encode_tensor(context: tuple[TensorEncoder, list], obj: Any, name: str) -> 
         nbytes = obj.nbytes
         if _goes_inline(enc, nbytes):
             return _inline_ext(name, obj.shape, np.ascontiguousarray(obj))
+        if obj.flags.c_contiguous and (lent := _borrow(enc, placed, obj.ctypes.data, nbytes)) is not None:
+            return _shm_ext(lent[0], lent[1], nbytes, name, obj.shape)
         segment, offset, view = _place(enc, placed, nbytes)
         np.frombuffer(view, dtype=obj.dtype).reshape(obj.shape)[...] = obj
         return _shm_ext(segment, offset, nbytes, name, obj.shape)
@@ -183,6 +187,8 @@ def _encode_tensor(context: tuple[TensorEncoder, list], obj: Any, name: str) -> 
     nbytes = t.numel() * t.element_size()
     if _goes_inline(enc, nbytes):
         return _inline_ext(name, tuple(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    if t.is_contiguous() and (lent := _borrow(enc, placed, t.data_ptr(), nbytes)) is not None:
+        return _shm_ext(lent[0], lent[1], nbytes, name, t.shape)
     segment, offset, view = _place(enc, placed, nbytes)
     # copy_ from a strided source: a non-contiguous input costs one copy, not two
     torch.frombuffer(view, dtype=t.dtype, count=t.numel()).view(t.shape).copy_(t)
@@ -191,6 +197,18 @@ def _encode_tensor(context: tuple[TensorEncoder, list], obj: Any, name: str) -> 
 
 def _goes_inline(enc: TensorEncoder, nbytes: int) -> bool:
     return enc.allocator is None or nbytes == 0 or nbytes < enc.inline_threshold
+
+
+def _borrow(enc: TensorEncoder, placed: list, address: int, nbytes: int) -> tuple[str, int] | None:
+    """A tensor lying in a block its allocator lent (``Engine.empty``): (segment, offset) to send
+    instead of a copy; the message holds the block, listed among what it placed."""
+    borrow = getattr(enc.allocator, "borrow", None)
+    lent = None if borrow is None else borrow(address, nbytes)
+    if lent is None:
+        return None
+    segment, block, offset = lent
+    placed.append((segment, block))
+    return segment, offset
 
 
 def _place(enc: TensorEncoder, placed: list, nbytes: int) -> tuple[str, int, memoryview]:

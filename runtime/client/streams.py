@@ -1,0 +1,167 @@
+"""Streams on the client: ``Client.stream`` and ``AsyncClient.stream`` iterate a request's chunks.
+
+Torch-free. The wire is ``runtime.transport.protocol``'s "stream" op:
+
+    Client.stream(p): _submit(p, stream=StreamState) -- stream {payload, timeout_s} -->  server
+    reader (a caller or the I/O thread): each chunk   <-- {result, seq} --------------
+      -> StreamState.deliver(chunk): the stream's queue (asyncio: through the loop)
+    the final reply (last chunk, or an error)         <-- {result, seq, final} --------
+      -> the request's future; its done callback ends the queue
+    close(), break + collection, a deadline           -- cancel {target} ------------->
+
+Invariants:
+- Chunks come in ``seq`` order (``runtime.client.replies`` checks it); a gap fails the stream.
+- Leaving a stream early cancels it on the server (its runner frees what it holds); the
+  request stays in flight here until the server's final reply, which is dropped.
+- What a stream holds waiting is what the server sent and the caller did not take yet: at
+  most the request's own chunks (the server keeps none; see the protocol's flow control).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import time
+import weakref
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from runtime.client.errors import DeadlineExceededError
+
+__all__ = ["StreamState", "ClientStream", "AsyncClientStream"]
+
+_END = object()
+
+
+class StreamState:
+    """What the reader hands a stream's chunks to: ``deliver(chunk)``, and the next ``seq`` due."""
+
+    __slots__ = ("deliver", "seq")
+
+    def __init__(self, deliver: Callable[[Any], None]) -> None:
+        self.deliver = deliver
+        self.seq = 0
+
+
+class _Base:
+    """What the sync and async iterators share: the request, its deadline and its cancel."""
+
+    def __init__(self, address: str, timeout: float | None) -> None:
+        self._address = address
+        self._timeout = timeout
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._future: Future | None = None
+        self._finished = False
+        self._finalizer: weakref.finalize | None = None
+
+    def _start(self, future: Future, cancel: Callable[[], None], end: Callable[[Any], None]) -> None:
+        self._future = future
+        self._finalizer = weakref.finalize(self, cancel)  # collected unfinished: cancel it
+        future.add_done_callback(lambda _f: end(_END))
+
+    def _left(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def _item(self, item: Any) -> Any:
+        """A chunk, or at the end the last chunk (or the request's error)."""
+        if item is not _END:
+            return item
+        self._finished = True
+        self._finalizer.detach()
+        return self._future.result()
+
+    def _expired(self) -> DeadlineExceededError:
+        self._leave()
+        return DeadlineExceededError.for_request(f"the stream did not end within {self._timeout} s from "
+                                                 f"{self._address} (it was cancelled)",
+                                                 getattr(self._future, "request_id", None))
+
+    def _leave(self) -> None:
+        self._finished = True
+        if self._finalizer is not None and self._finalizer.alive:
+            self._finalizer()  # cancels the request on the server, once
+
+
+class ClientStream(_Base):
+    """The chunks of one request as they come (``Client.stream``): iterate, or ``close()``.
+
+    ``timeout`` bounds the whole stream: past it ``next()`` raises ``DeadlineExceededError``.
+    A server error ends it with its ``ServerError`` subclass; a lost connection or the
+    client's ``close()`` with ``ConnectionLostError``. Leaving early (``close()``, leaving a
+    ``with`` block, or dropping the iterator) cancels the request on the server.
+    """
+
+    def __init__(self, address: str, timeout: float | None) -> None:
+        super().__init__(address, timeout)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.state = StreamState(self._queue.put)
+
+    def start(self, future: Future, cancel: Callable[[], None]) -> "ClientStream":
+        self._start(future, cancel, self._queue.put)
+        return self
+
+    def __iter__(self) -> "ClientStream":
+        return self
+
+    def __next__(self) -> Any:
+        if self._finished:
+            raise StopIteration
+        try:
+            item = self._queue.get(timeout=self._left())
+        except queue.Empty:
+            raise self._expired() from None
+        return self._item(item)
+
+    def close(self) -> None:
+        """Leave the stream (cancelled on the server if still running). Idempotent."""
+        self._leave()
+
+    def __enter__(self) -> "ClientStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class AsyncClientStream(_Base):
+    """``ClientStream`` for asyncio (``AsyncClient.stream``): ``async for``, ``aclose()``."""
+
+    def __init__(self, address: str, timeout: float | None, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(address, timeout)
+        self._queue: asyncio.Queue = asyncio.Queue()
+        items = self._queue
+
+        def put(item: Any) -> None:  # the client's reader thread; holds no reference to the stream
+            try:
+                loop.call_soon_threadsafe(items.put_nowait, item)
+            except RuntimeError:  # the loop is closed: nobody iterates any more
+                pass
+
+        self._put = put
+        self.state = StreamState(put)
+
+    def start(self, future: Future, cancel: Callable[[], None]) -> "AsyncClientStream":
+        self._start(future, cancel, self._put)
+        return self
+
+    def __aiter__(self) -> "AsyncClientStream":
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._finished:
+            raise StopAsyncIteration
+        try:
+            item = await asyncio.wait_for(self._queue.get(), self._left())
+        except asyncio.TimeoutError:
+            raise self._expired() from None
+        return self._item(item)
+
+    async def aclose(self) -> None:
+        """Leave the stream (cancelled on the server if still running). Idempotent."""
+        self._leave()
+
+    async def __aenter__(self) -> "AsyncClientStream":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self._leave()
