@@ -106,7 +106,9 @@ def cpp_build() -> Path:
     reason = _cpp_missing()
     if reason is not None:
         pytest.skip(reason)
-    digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in SOURCES)).hexdigest()[:16]
+    # the checkout's path too: CMake's cache names its source directory, so two checkouts cannot share one
+    digest = hashlib.sha256(str(ROOT).encode() + b"".join(p.name.encode() + p.read_bytes()
+                                                          for p in SOURCES)).hexdigest()[:16]
     build = Path(tempfile.gettempdir()) / f"phyrt-cpp-examples-{digest}"
     for old in build.parent.glob("phyrt-cpp-examples-*"):  # builds of other sources: never used again
         if old != build:

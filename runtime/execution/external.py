@@ -189,7 +189,9 @@ class ExternalExecutor(ReplicaExecutor):
             elif dist.get_world_size() != world or dist.get_rank() != rank:
                 raise ValueError(f"torch.distributed is already initialized with rank {dist.get_rank()} of "
                                  f"{dist.get_world_size()}, but the launcher says RANK={rank} of {world}")
-            P.initialize(parallel, rank, backend=backend)
+            # gloo's collectives, not the shared-memory ones of local ranks: this mode's failure model
+            # rests on gloo's collective timeout and its "peer closed the connection" errors
+            P.initialize(parallel, rank, backend=backend, shared_memory=False)
             _set_timeout(startup)  # P's subgroups start with torch's default, not init's timeout
             ctx = make_context(args.config, rank=rank, world_size=world, replica_index=0,
                                device_index=local_rank if target == "cuda" else None)
@@ -218,15 +220,16 @@ class ExternalExecutor(ReplicaExecutor):
         self._closed = False
         self._released = False
 
-    def submit(self, request: Any) -> Future:
+    def submit(self, request: Any, stream: Any = None) -> Future:
         """Run ``request`` now, in this thread, and return its completed future.
 
         Requests run in order, one at a time: this call returns once the request has finished
         on this rank. Every rank must submit the same requests in the same order. The future
         holds the result on the output rank (world rank 0) and ``None`` on every other rank; or
         the plugin's own exception, a ``RequestMismatchError`` (the ranks' requests differ; the
-        engine stays usable) or ``EngineUnavailableError`` (a collective failed; for good)."""
-        return super().submit(request)
+        engine stays usable) or ``EngineUnavailableError`` (a collective failed; for good).
+        A streamed request (``stream``) runs as any other: its one chunk is the result."""
+        return super().submit(request, stream)
 
     def _submit(self, request: Any, future: Future) -> None:
         future.set_running_or_notify_cancel()
