@@ -189,8 +189,7 @@ class ExternalExecutor(ReplicaExecutor):
             elif dist.get_world_size() != world or dist.get_rank() != rank:
                 raise ValueError(f"torch.distributed is already initialized with rank {dist.get_rank()} of "
                                  f"{dist.get_world_size()}, but the launcher says RANK={rank} of {world}")
-            # gloo's collectives, not the shared-memory ones of local ranks: this mode's failure model
-            # rests on gloo's collective timeout and its "peer closed the connection" errors
+            # gloo, not shared memory: failures here are gloo's collective timeout and closed connections
             P.initialize(parallel, rank, backend=backend, shared_memory=False)
             _set_timeout(startup)  # P's subgroups start with torch's default, not init's timeout
             ctx = make_context(args.config, rank=rank, world_size=world, replica_index=0,
