@@ -58,6 +58,25 @@ def write_key(path: str, public: bytes, secret: bytes | None) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def _ready_address(proc: subprocess.Popen, timeout: float) -> str:
+    """The address of the server's ready line ("phyrt ready address=... pid=...")."""
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if selector.select(timeout=0.5):
+                line = proc.stdout.readline()
+                if not line:
+                    break
+                if line.startswith("phyrt ready "):
+                    fields = dict(kv.split("=", 1) for kv in line.split()[2:] if "=" in kv)
+                    return fields["address"]
+            elif proc.poll() is not None:
+                break
+    raise RuntimeError(f"the server did not start within {timeout} s (exit status {proc.poll()}); "
+                       "its log is in this actor's stderr")
+
+
 class ServerActor:
     """One ``runtime.launch`` server on this Ray node (the body of a Ray actor)."""
 
@@ -75,39 +94,19 @@ class ServerActor:
             host = ray.util.get_node_ip_address()
             command = [sys.executable, "-m", "runtime.cluster.serve", *launch_args, "--address", f"tcp://{host}:0",
                        "--curve-secret-key", secret_file, "--curve-authorized-clients", authorized]
-            self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                          cwd=cwd if cwd and os.path.isdir(cwd) else None)
-            self._address = self._ready_address(start_timeout_s)
+            proc = self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                                 cwd=cwd if cwd and os.path.isdir(cwd) else None)
+            self._address = _ready_address(proc, start_timeout_s)
             shutil.rmtree(self._dir, ignore_errors=True)  # read at start-up: off the disk again
         except BaseException:
             self._stop(5.0)
             raise
-        threading.Thread(target=self._exit_with_server, name="phyrt-server-watch", daemon=True).start()
+        self._pid = proc.pid
+        threading.Thread(target=self._exit_with_server, args=(proc,), name="phyrt-server-watch", daemon=True).start()
 
-    def _ready_address(self, timeout: float) -> str:
-        """The address of the server's ready line ("phyrt ready address=... pid=...")."""
-        proc = self._proc
-        assert proc is not None and proc.stdout is not None
-        with selectors.DefaultSelector() as selector:
-            selector.register(proc.stdout, selectors.EVENT_READ)
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                if selector.select(timeout=0.5):
-                    line = proc.stdout.readline()
-                    if not line:
-                        break
-                    if line.startswith("phyrt ready "):
-                        fields = dict(kv.split("=", 1) for kv in line.split()[2:] if "=" in kv)
-                        return fields["address"]
-                elif proc.poll() is not None:
-                    break
-        raise RuntimeError(f"the server did not start within {timeout} s (exit status {proc.poll()}); "
-                           "its log is in this actor's stderr")
-
-    def _exit_with_server(self) -> None:
+    def _exit_with_server(self, proc: subprocess.Popen) -> None:
         """The server exited on its own: end this actor's process so that Ray restarts it."""
-        assert self._proc is not None
-        code = self._proc.wait()
+        code = proc.wait()
         if not self._stopping:
             log.error("the phyrt server at %s exited (status %s): ending the actor for Ray to restart it",
                       self._address, code)
@@ -122,8 +121,7 @@ class ServerActor:
         return ray.get_runtime_context().get_node_id()
 
     def server_pid(self) -> int:
-        assert self._proc is not None
-        return self._proc.pid
+        return self._pid
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """Stop the server (SIGTERM: it drains); its exit status."""
