@@ -21,16 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import queue
-import time
-import weakref
 from concurrent.futures import Future
 from typing import Any, Callable
 
 from runtime.client.errors import DeadlineExceededError
+from runtime.core.streams import ChunkStream
 
 __all__ = ["StreamState", "ClientStream", "AsyncClientStream"]
-
-_END = object()
 
 
 class StreamState:
@@ -43,43 +40,19 @@ class StreamState:
         self.seq = 0
 
 
-class _Base:
-    """What the sync and async iterators share: the request, its deadline and its cancel."""
+class _Base(ChunkStream):
+    """What the sync and async iterators share: ``runtime.core.streams.ChunkStream``, and the
+    server's address for the deadline's error."""
 
     def __init__(self, address: str, timeout: float | None) -> None:
+        super().__init__(timeout)
         self._address = address
-        self._timeout = timeout
-        self._deadline = None if timeout is None else time.monotonic() + timeout
-        self._future: Future | None = None
-        self._finished = False
-        self._finalizer: weakref.finalize | None = None
-
-    def _start(self, future: Future, cancel: Callable[[], None], end: Callable[[Any], None]) -> None:
-        self._future = future
-        self._finalizer = weakref.finalize(self, cancel)  # collected unfinished: cancel it
-        future.add_done_callback(lambda _f: end(_END))
-
-    def _left(self) -> float | None:
-        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-
-    def _item(self, item: Any) -> Any:
-        """A chunk, or at the end the last chunk (or the request's error)."""
-        if item is not _END:
-            return item
-        self._finished = True
-        self._finalizer.detach()
-        return self._future.result()
 
     def _expired(self) -> DeadlineExceededError:
         self._leave()
         return DeadlineExceededError.for_request(f"the stream did not end within {self._timeout} s from "
                                                  f"{self._address} (it was cancelled)",
                                                  getattr(self._future, "request_id", None))
-
-    def _leave(self) -> None:
-        self._finished = True
-        if self._finalizer is not None and self._finalizer.alive:
-            self._finalizer()  # cancels the request on the server, once
 
 
 class ClientStream(_Base):
@@ -104,13 +77,7 @@ class ClientStream(_Base):
         return self
 
     def __next__(self) -> Any:
-        if self._finished:
-            raise StopIteration
-        try:
-            item = self._queue.get(timeout=self._left())
-        except queue.Empty:
-            raise self._expired() from None
-        return self._item(item)
+        return self._next_from(self._queue)
 
     def close(self) -> None:
         """Leave the stream (cancelled on the server if still running). Idempotent."""

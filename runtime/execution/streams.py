@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
-import weakref
 from concurrent.futures import Future
 from typing import Any, Callable
 
-__all__ = ["StreamCall", "Stream"]
+from runtime.core.streams import ChunkStream
 
-_END = object()
+__all__ = ["StreamCall", "Stream"]
 
 
 class StreamCall:
@@ -69,7 +67,7 @@ class StreamCall:
             cancel()
 
 
-class Stream:
+class Stream(ChunkStream):
     """Iterates the chunks of one streamed request (``Engine.stream``).
 
     ``timeout`` bounds the whole stream: past it ``next()`` raises ``TimeoutError`` and
@@ -80,54 +78,34 @@ class Stream:
     """
 
     def __init__(self, timeout: float | None = None) -> None:
+        super().__init__(timeout)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.call = StreamCall(self._queue.put)
-        self._deadline = None if timeout is None else time.monotonic() + timeout
-        self._timeout = timeout
-        self._finished = False
-        self._finalizer: weakref.finalize | None = None
 
     def start(self, future: Future) -> "Stream":
         """Bind the request's future (its last chunk); the caller owns the stream from here."""
         self.call.future = future
-        self._finalizer = weakref.finalize(self, self.call.cancel)
-        future.add_done_callback(lambda _f, put=self._queue.put: put(_END))
+        self._start(future, self.call.cancel, self._queue.put)
         return self
 
     def __iter__(self) -> "Stream":
         return self
 
     def __next__(self) -> Any:
-        if self._finished:
-            raise StopIteration
-        try:
-            item = self._queue.get(timeout=self._left())
-        except queue.Empty:
-            self.close()
-            raise TimeoutError(f"the stream did not end within {self._timeout} s (it was cancelled)") from None
-        if item is not _END:
-            return item
-        self._finished = True
-        self._detach()
-        future = self.call.future
-        if future.cancelled():
-            raise StopIteration
-        return future.result()  # the last chunk, or the request's error
+        return self._next_from(self._queue)
 
-    def _left(self) -> float | None:
-        if self._deadline is None:
-            return None
-        return max(0.0, self._deadline - time.monotonic())
+    def _last(self) -> Any:
+        if self._future.cancelled():
+            raise StopIteration
+        return self._future.result()  # the last chunk, or the request's error
+
+    def _expired(self) -> BaseException:
+        self._leave()
+        return TimeoutError(f"the stream did not end within {self._timeout} s (it was cancelled)")
 
     def close(self) -> None:
         """Leave the stream; a request still running is cancelled. Idempotent."""
-        self._finished = True
-        if self._finalizer is not None and self._finalizer.detach() is not None:
-            self.call.cancel()
-
-    def _detach(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer.detach()
+        self._leave()
 
     def __enter__(self) -> "Stream":
         return self
