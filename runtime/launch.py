@@ -58,6 +58,7 @@ import threading
 import time
 from typing import Any
 
+from runtime.core.signals import SignalRelay
 from runtime.serving.cli import build_parser
 
 log = logging.getLogger("phyrt.launch")
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                               info={"device": topology["device"], "backend": topology["backend"]})
         engine = None  # the server owns it now
         stop = threading.Event()
-        _on_signals(_stop_handler(front, stop))
+        SignalRelay(_stop_handler(front, stop))  # not in the handler itself: see runtime.core.signals
         front.server.start()
         front.door = _start_openpi(opts, served, openpi_key)
     except _Interrupted as exc:
@@ -331,7 +332,7 @@ def _print_ready(front: _Front, topology: dict[str, Any]) -> None:
 
 
 def _stop_handler(front: _Front, stop: threading.Event) -> Any:
-    def handle(signum: int, frame: Any) -> None:
+    def handle(signum: int) -> None:
         if stop.is_set():  # a second signal: no more waiting
             log.warning("%s again: not waiting for in-flight requests", signal.Signals(signum).name)
             front.skip_drain()

@@ -63,7 +63,8 @@ class Launched:
         self._log = open(self.log_path, "w")  # a file, never a pipe nobody reads
         self.proc = subprocess.Popen([sys.executable, "-m", "runtime.launch", *args], cwd=ROOT,
                                      stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     start_new_session=new_session, env=None if env is None else {**os.environ, **env})
+                                     start_new_session=new_session,
+                                     env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})})
         self.pids: set[int] = {self.proc.pid}
         self.own_directory = "--address" not in args  # the server makes (and must remove) its socket's directory
         self.fields: dict[str, str] = {}
@@ -113,6 +114,7 @@ class Launched:
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            self.dump_stacks()
             self.kill()
             raise AssertionError(f"launch did not exit within {timeout} s of {sig}; log:\n{self.log()}")
         finally:
@@ -130,6 +132,14 @@ class Launched:
             assert not os.path.exists(path), f"socket file left: {path}"
             if self.own_directory:
                 assert not os.path.exists(os.path.dirname(path)), f"private directory left: {os.path.dirname(path)}"
+
+    def dump_stacks(self) -> None:
+        """A hung server writes every thread's stack into its log (faulthandler on SIGABRT)."""
+        try:
+            self.proc.send_signal(signal.SIGABRT)
+            self.proc.wait(5)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
 
     def kill(self) -> None:
         self.remember_children()

@@ -16,10 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import threading
 from typing import Any
+
+from runtime.core.signals import SignalRelay
 
 EPILOG = """\
 Everything after -- goes to python -m runtime.launch on every server (not --address nor the CURVE
@@ -82,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ray.init(address=opts.ray_address, logging_level="warning")
     stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs handlers of its own
-        signal.signal(signum, lambda *_: stop.set())
+    SignalRelay(lambda signum: stop.set())  # after ray.init, which installs handlers of its own
     try:
         fleet = RayFleet(launch_args, gpus_per_server=opts.gpus_per_server, num_cpus=opts.num_cpus,
                          max_restarts=opts.max_restarts)
