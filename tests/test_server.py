@@ -417,8 +417,8 @@ SERVER_THREADS = {"phyrt-server-0", "phyrt-server-1"}
 def test_an_idle_inline_server_runs_a_request_where_it_received_it(inline_server):
     """No hop to the engine's thread and back: with nothing else in the engine, the server
     thread that read a request runs it and sends its reply (the other one reads meanwhile)."""
-    # no heartbeat ping in the way: a submit that is not the last message read goes to the
-    # engine's thread (the messages after it must not wait for it)
+    # no heartbeat ping in the way: a submit the engine holds another request for goes to the
+    # engine's thread
     with Client(inline_server.address, heartbeat_interval_s=60.0, heartbeat_timeout_s=120.0) as client:
         assert client.call({"warm": 1}, timeout=30) == {"warm": 1}  # read with the client's first ping
         for i in range(10):
@@ -445,6 +445,41 @@ def test_a_request_running_in_a_server_thread_leaves_the_socket_served(inline_se
     names = {header.get("id"): name for name, header in inline_server.sent if header.get("op") == "submit"}
     assert set(names.values()) <= SERVER_THREADS | {"phyrt-inline-0"}
     assert "phyrt-inline-0" in names.values(), names  # the request queued behind the slow one
+
+
+@pytest.mark.timeout(60)
+def test_messages_read_with_a_slow_request_are_answered_while_it_runs(inline_server):
+    """Three messages sent back to back, likely read as one batch: the slow submit runs in the
+    thread that read it, and the ping read with it does not wait for it (the standby takes the
+    loop, the messages not yet handled with it); the fast submit queues behind the slow one
+    (the engine runs one request at a time, in order)."""
+    import zmq
+
+    from runtime.client.headers import control_header, submit_header
+    from runtime.transport.protocol import pack_header, unpack_header
+
+    ctx = zmq.Context(1)
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(inline_server.address)
+    try:
+        for rounds in range(3):
+            slow, fast = 3 * rounds, 3 * rounds + 1
+            sent = time.monotonic()
+            sock.send(submit_header(slow, None, False, pack_header({"sleep": 1.5})), zmq.NOBLOCK)
+            sock.send(submit_header(fast, None, False, pack_header({"fast": rounds})), zmq.NOBLOCK)
+            sock.send(control_header("ping", 3 * rounds + 2), zmq.NOBLOCK)
+            answered = {}
+            while len(answered) < 3:
+                assert sock.poll(10_000), f"no reply within 10 s; have {sorted(answered)}"
+                reply = unpack_header(sock.recv(), 1 << 20, [])
+                answered[reply["id"]] = time.monotonic() - sent
+                assert reply["ok"], reply
+            assert answered[3 * rounds + 2] < 1.0, answered  # not behind the slow one
+            assert 1.5 <= answered[slow] <= answered[fast], answered
+    finally:
+        sock.close(0)
+        ctx.term()
 
 
 @pytest.mark.timeout(120)

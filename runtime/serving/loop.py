@@ -7,14 +7,21 @@ Imports ``runtime.serving`` (router, handlers, turns) and ``runtime.transport.sp
         messages.settle()           replies the I/O thread owes, deadlines due
         messages.housekeeping()     once a second
         drained? (not accepting, nothing in flight) -> idle, drained
-        for each message read:  messages.handle(identity, frames, turn)
-            turn = this loop for the last message read with nothing else waiting, when the
-            engine may run it here: it hands the loop over, runs, takes it back (or the
-            standby has taken it: this thread returns and stands by)
+        backlog += messages read (when it is empty)
+        for each message of the backlog, in order:  messages.handle(identity, frames, turn)
+            turn = this loop, when the engine may run a submit here: it hands the loop over,
+            runs, takes it back (or the standby has taken it, backlog and all: this thread
+            returns and stands by)
 
 Invariants:
-- Only the thread holding the turn runs this loop, reads the socket and answers deadlines;
-  engine threads send their replies themselves (``ServerSocket.send``).
+- Only the thread holding the turn runs this loop, reads the socket, takes messages from
+  the backlog and answers deadlines; engine threads send their replies themselves
+  (``ServerSocket.send``).
+- Messages are handled in the order they arrived. The one a submit runs here for is taken
+  off the backlog first, so the rest never waits behind a long request: the standby takes
+  the loop, backlog and all, within ``TICK_S``. Under load, then, every submit that finds
+  the engine idle runs in the reading thread (no hop to the engine's thread and back), not
+  only the last of a batch.
 - Bookkeeping comes before the messages: the last thing before sleeping again is handing
   requests to the engine, whose woken thread then waits for the GIL the least.
 - Before sleeping, the looping thread polls for a short while (``runtime.transport.spin``)
@@ -27,6 +34,7 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import select
@@ -56,6 +64,7 @@ class IoLoop:
         self.drained = threading.Event()  # idle, or told not to wait (skip_drain)
         self._spin_budget = budget_ns("server") if self._runs_here else 0
         self._next_housekeeping = time.monotonic() + _HOUSEKEEPING_S
+        self._backlog: collections.deque[tuple[bytes, list[Any]]] = collections.deque()  # read, not handled
 
     # -- the turn a submit run here gives up (handlers.Turn) ------------------------------
 
@@ -83,10 +92,11 @@ class IoLoop:
         spin_budget = self._spin_budget
         poll_now = functools.partial(poller.poll, 0)
         requests = self._messages.requests
+        backlog = self._backlog
         more = True  # messages may be waiting: read before sleeping
         try:
             while not self._turns.stopped:
-                wait_ms = 0.0 if more or socket.recheck else self._wait_ms()
+                wait_ms = 0.0 if more or socket.recheck or backlog else self._wait_ms()
                 events = None
                 if spin_budget and wait_ms > 0 and not requests:  # (an engine thread at work needs the GIL)
                     events = spin(poll_now, min(spin_budget, int(wait_ms * 1e6)))
@@ -96,8 +106,10 @@ class IoLoop:
                     socket.drain_wake()
                 socket.recheck = False
                 self._bookkeeping()
-                batch, more = socket.read_batch()
-                if not self._handle_batch(batch, more):
+                if not backlog:
+                    batch, more = socket.read_batch()
+                    backlog.extend(batch)
+                if not self._handle_backlog():
                     return
         except BaseException:  # a bug: log it, and let close() release what is left
             log.exception("the server's I/O thread failed")
@@ -125,13 +137,13 @@ class IoLoop:
             self.idle.set()
             self.drained.set()
 
-    def _handle_batch(self, batch: list[tuple[bytes, list[Any]]], more: bool) -> bool:
-        """Handle what was read; False once this thread no longer holds the loop."""
-        last = len(batch) - 1
+    def _handle_backlog(self) -> bool:
+        """Handle the backlog in order; False once this thread no longer holds the loop."""
+        backlog = self._backlog
         handle = self._messages.handle
-        for i, (identity, frames) in enumerate(batch):
-            # the last message read, with nothing else waiting: a submit may run in this thread
-            turn = self if self._runs_here and i == last and not more else None
+        turn = self if self._runs_here else None  # a submit may run in this thread
+        while backlog:
+            identity, frames = backlog.popleft()
             try:
                 handle(identity, frames, turn)
             except Exception:  # a server bug must not take the loop down
