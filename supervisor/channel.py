@@ -48,7 +48,7 @@ from runtime.core.config import WorkerSupervisorConfig
 from runtime.core.errors import EngineUnavailableError
 from runtime.transport import wire
 from runtime.transport.reader import ReaderRole
-from runtime.transport.spin import spin
+from runtime.transport.spin import Spinner
 from supervisor.answers import AnswerReader
 from supervisor.failure import Failures
 from supervisor.groups import GroupState, LockedArena, PendingRequest, free_blocks
@@ -92,7 +92,7 @@ class RequestChannel:
                  router: zmq.Socket, config: WorkerSupervisorConfig, spin_ns: int,
                  wake_watch: Callable[[], None]) -> None:
         self._groups, self.role, self._answers, self._failures = groups, role, answers, failures
-        self._router, self._spin_ns, self._wake_watch = router, spin_ns, wake_watch
+        self._router, self._spinner, self._wake_watch = router, Spinner(spin_ns), wake_watch
         self._timeout_s = config.execution_timeout_s
         self._poll_ms = int(config.heartbeat_interval_s * 1000) + 1
         self._ids = itertools.count()
@@ -213,9 +213,8 @@ class RequestChannel:
                 if left <= 0:
                     return
                 wait_ms = min(wait_ms, int(left * 1000) + 1)
-            if self._spin_ns:  # a core to spare: look for the answer a moment before sleeping
-                spin(lambda: zmq.zmq_poll(items, 0), self._spin_ns)
-            for item, _ in zmq.zmq_poll(items, wait_ms):
+            # with a core to spare, look for the answer a moment before sleeping
+            for item, _ in self._spinner.wait(functools.partial(zmq.zmq_poll, items, 0), zmq.zmq_poll, items, wait_ms):
                 if item is router:
                     self._answers.take()
                 else:

@@ -66,3 +66,39 @@ def test_spin_gives_up_after_its_budget():
     started = time.perf_counter()
     assert spin(lambda: [], 2_000_000) == []  # 2 ms
     assert 0.002 <= time.perf_counter() - started < 0.5
+
+
+def test_a_spinner_spins_only_while_the_last_wait_ended_within_its_budget():
+    from runtime.transport.spin import Spinner
+
+    spinner = Spinner(budget=2_000_000)  # 2 ms
+
+    def wait(sleep_s: float, found_by_spin: bool = False) -> bool:
+        """One wait whose message the spin finds at once (``found_by_spin``), or that a sleep of
+        ``sleep_s`` ends; True if it spun."""
+        looks: list[int] = []
+
+        def poll_now() -> list:
+            looks.append(1)
+            return ["spun"] if found_by_spin else []
+
+        def sleep(s: float) -> list:
+            time.sleep(s)
+            return ["slept"]
+
+        assert spinner.wait(poll_now, sleep, sleep_s) == (["spun"] if found_by_spin else ["slept"])
+        return bool(looks)
+
+    assert wait(0.0, found_by_spin=True)  # it starts spinning; the spin found the message at once
+    assert wait(0.0, found_by_spin=True)  # a short wait: it goes on spinning
+    assert wait(0.0)  # the spin found nothing: the wait outlasted the budget ...
+    assert not wait(0.05)  # ... so straight to sleep (a long wait, again)
+    assert not wait(0.0)  # straight to sleep; a short wait ...
+    assert wait(0.0, found_by_spin=True)  # ... so it spins again
+
+
+def test_a_spinner_without_a_budget_only_sleeps():
+    from runtime.transport.spin import Spinner
+
+    spinner = Spinner(budget=0)
+    assert spinner.wait(lambda: pytest.fail("no spin with no budget"), lambda: "slept") == "slept"

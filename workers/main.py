@@ -72,7 +72,7 @@ import zmq
 from runtime.core.plugins import Partial
 from runtime.transport import wire
 from runtime.transport.shm import ShmArena, ShmMapper
-from runtime.transport.spin import spin
+from runtime.transport.spin import Spinner
 
 #: inline tensors up to this size; larger CPU tensors go through shared memory
 INLINE_LIMIT = 64 * 1024
@@ -254,7 +254,7 @@ def _serve(ctl: zmq.Socket, inbox: zmq.Socket, core: Any, arena: ShmArena, mappe
     poll_items = [(ctl, _POLLIN), (inbox, _POLLIN)]
     request_types, ctl_types = frozenset({"request", "cancel"}), frozenset({"free", "shutdown"})
     batching = core.batching
-    spin_budget = boot["spin_ns"]  # after an answer: look for the next request before sleeping
+    spinner = Spinner(boot["spin_ns"])  # after an answer: look for the next request before sleeping
     served = False
     poll_now = functools.partial(zmq.zmq_poll, poll_items, 0)
     while True:
@@ -266,9 +266,9 @@ def _serve(ctl: zmq.Socket, inbox: zmq.Socket, core: Any, arena: ShmArena, mappe
         if batching and core.has_unfinished():
             events = zmq.zmq_poll(poll_items, 0)
         else:
-            if served and spin_budget:
-                events = spin(poll_now, spin_budget)
-            if not events:
+            if served:
+                events = spinner.wait(poll_now, zmq.zmq_poll, poll_items, -1)
+            else:
                 events = zmq.zmq_poll(poll_items, -1)
         served = False
         for sock, _ in events:

@@ -48,7 +48,7 @@ from runtime.client.replies import Replies, complete
 from runtime.core.errors import ProtocolError
 from runtime.transport.endpoints import load_key
 from runtime.transport.reader import ReaderRole
-from runtime.transport.spin import budget_ns, spin
+from runtime.transport.spin import Spinner, budget_ns
 
 log = logging.getLogger("phyrt.client")
 
@@ -66,7 +66,7 @@ class Connection:
         self._replies = replies
         self._role = role
         self._poll_s = poll_s  # a reader looks at the role (closed?) at least this often
-        self._spin_budget = budget_ns("client")  # a waiting caller polls a moment before it sleeps
+        self._spinner = Spinner(budget_ns("client"))  # a waiting caller polls a moment before it sleeps
         self.lock = threading.Lock()  # the socket
         self.outbox: collections.deque[tuple[int | None, list[Any]]] = collections.deque()  # (id or None, frames)
         self.polling = False  # the holder of the socket sleeps in poll (wake it to send)
@@ -200,7 +200,7 @@ class Connection:
                     if wait <= 0:
                         return
                 done: list = []
-                self.poll(poller, wait, done, self._spin_budget)
+                self.poll(poller, wait, done, self._spinner)
                 if done:
                     lock.release()
                     held = False
@@ -217,17 +217,16 @@ class Connection:
             if role.closed and not future.done():
                 role.leave(hand_on=False)  # so that our wait sleeps on the future, which close() fails
 
-    def poll(self, poller: zmq.Poller, timeout_s: float, done: list, spin_budget: int = 0) -> dict:
+    def poll(self, poller: zmq.Poller, timeout_s: float, done: list, spinner: Spinner | None = None) -> dict:
         """Holding the socket: send what is queued, wait up to ``timeout_s`` for a message and read
-        it (polling for ``spin_budget`` ns before sleeping: ``runtime.transport.spin``)."""
+        it (a ``spinner`` polls a moment before sleeping: ``runtime.transport.spin``)."""
         self.polling = True
         try:
             if self.outbox:
                 self.flush(done)
-            events = None
-            if spin_budget and timeout_s > 0 and not done:
-                events = dict(spin(functools.partial(poller.poll, 0), spin_budget))
-            if not events:
+            if spinner is not None and timeout_s > 0 and not done:
+                events = dict(spinner.wait(functools.partial(poller.poll, 0), poller.poll, int(timeout_s * 1000) + 1))
+            else:
                 events = dict(poller.poll(int(timeout_s * 1000) + 1 if timeout_s > 0 and not done else 0))
         finally:
             self.polling = False

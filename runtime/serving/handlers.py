@@ -24,7 +24,8 @@ Invariants:
 - ``max_inflight`` counts requests the engine still holds, answered or not (``requests``).
 - Engine calls return at once (``Engine.submit`` validates and queues); the one that
   runs the plugin here (``IdleRunner.run``) calls ``turn.hand_over()`` first, so that
-  the socket is read by another thread meanwhile, and ``turn.take_back()`` after the reply.
+  the socket is read by another thread meanwhile, and ``turn.take_back()`` once the
+  plugin returned, before it sends the reply.
 - Shared memory is offered over ipc:// only, per connection (``runtime.serving.shm``).
 
 Driving it directly (``bench.fuzz`` does): ``MessageHandler(engine, address, send)``, then
@@ -269,8 +270,11 @@ class MessageHandler:
             raise Rejected("InvalidRequest", f"{type(exc).__name__}: {exc}") from None
         if ran:
             running.finished = True
-            self.replies.finish(req, outcome_of_result(req, result, error))  # sends the reply
+            # the loop first: a reply sent by the looping thread wakes nobody (a message that came
+            # meanwhile is read before it sleeps); sent by a thread that gave the loop up, it wakes
+            # the looping thread, which cost a pipe write and read per request under load
             turn.take_back()
+            self.replies.finish(req, outcome_of_result(req, result, error))  # sends the reply
         return ran
 
     # -- the other ops ----------------------------------------------------------------------

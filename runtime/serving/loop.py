@@ -45,7 +45,7 @@ from typing import Any
 from runtime.serving.handlers import MessageHandler
 from runtime.serving.router import ServerSocket
 from runtime.serving.turns import Turns
-from runtime.transport.spin import budget_ns, spin
+from runtime.transport.spin import Spinner, budget_ns
 
 log = logging.getLogger("phyrt.server")
 
@@ -62,7 +62,7 @@ class IoLoop:
         self._runs_here = messages.runs_here
         self.idle = threading.Event()  # not accepting, and the engine holds nothing of ours
         self.drained = threading.Event()  # idle, or told not to wait (skip_drain)
-        self._spin_budget = budget_ns("server") if self._runs_here else 0
+        self._spinner = Spinner(budget_ns("server") if self._runs_here else 0)
         self._next_housekeeping = time.monotonic() + _HOUSEKEEPING_S
         self._backlog: collections.deque[tuple[bytes, list[Any]]] = collections.deque()  # read, not handled
 
@@ -89,7 +89,7 @@ class IoLoop:
         poller.register(socket.fd, select.POLLIN)  # edge-triggered: see runtime.serving.router
         poller.register(socket.wake_fd, select.POLLIN)
         wake_fd = socket.wake_fd
-        spin_budget = self._spin_budget
+        spinner = self._spinner
         poll_now = functools.partial(poller.poll, 0)
         requests = self._messages.requests
         backlog = self._backlog
@@ -97,10 +97,9 @@ class IoLoop:
         try:
             while not self._turns.stopped:
                 wait_ms = 0.0 if more or socket.recheck or backlog else self._wait_ms()
-                events = None
-                if spin_budget and wait_ms > 0 and not requests:  # (an engine thread at work needs the GIL)
-                    events = spin(poll_now, min(spin_budget, int(wait_ms * 1e6)))
-                if not events:
+                if wait_ms > 0 and not requests:  # (an engine thread at work needs the GIL)
+                    events = spinner.wait(poll_now, poller.poll, wait_ms, budget=min(spinner.budget, int(wait_ms * 1e6)))
+                else:
                     events = poller.poll(wait_ms)
                 if events and (len(events) > 1 or events[0][0] == wake_fd):
                     socket.drain_wake()
