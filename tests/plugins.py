@@ -121,6 +121,8 @@ class TPProbeRunner:
             return {"fine": 1, "bad": {1, 2}}
         if op == "pid":
             return {"replica": self.ctx.replica_index, "pids": self._gather([os.getpid()])}
+        if op == "threads":  # each rank's torch intra-op threads
+            return {"replica": self.ctx.replica_index, "threads": self._gather([torch.get_num_threads()])}
         if op == "groups":
             return self._groups()
         if op == "all_reduce":
@@ -206,11 +208,12 @@ def _control_socket(ctx) -> Any:
 
 
 class TPProbe(Entry):
-    """Every parallel domain; ops: echo, unencodable, pid, groups, all_reduce, sleep, raise, exit, send_raw."""
+    """Every parallel domain; ops: echo, unencodable, pid, threads, groups, all_reduce, sleep, raise, exit, send_raw."""
 
     name = "tp-probe"
     parallel_domains = frozenset({"dense", "attention", "moe", "cfg", "pipeline"})
-    OPS = frozenset({"echo", "unencodable", "pid", "groups", "all_reduce", "sleep", "raise", "exit", "send_raw"})
+    OPS = frozenset({"echo", "unencodable", "pid", "threads", "groups", "all_reduce", "sleep", "raise", "exit",
+                     "send_raw"})
 
     def validate_request(self, request: Any) -> None:
         if not isinstance(request, dict) or request.get("op") not in self.OPS:

@@ -119,6 +119,21 @@ def test_cfg2_tp2_all_reduce(cfg2tp2, group, reduce, expected):
 # --------------------------------------------------------------------------- routing
 
 
+def test_the_ranks_share_the_usable_cores_between_them(tp2x2):
+    """No core is kept back for the engine process (its work for a request comes before and
+    after its ranks compute): 1 rank gets every core; 4 ranks a quarter each (at least 1)."""
+    from runtime.transport.spin import usable_cores
+
+    cores = usable_cores()
+    engine = start_engine()
+    try:
+        assert engine.step({"op": "threads"}, timeout=30)["threads"] == [[cores]]
+    finally:
+        close_engine(engine)
+    for replica in each_replica(tp2x2, {"op": "threads"}, 2).values():
+        assert replica["threads"] == [[max(1, cores // 4)]] * 2
+
+
 def test_concurrent_requests_land_on_different_replicas(tp2x2):
     started = time.monotonic()
     futures = [tp2x2.submit({"op": "sleep", "s": 1.0}) for _ in range(2)]
