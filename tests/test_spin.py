@@ -62,31 +62,13 @@ def test_spin_returns_what_the_poll_found_at_once():
     assert len(calls) == 3
 
 
-@pytest.fixture
-def idle_machine(monkeypatch):
-    """Every yield counts as quick (a VM's host may make one slow now and then)."""
-    monkeypatch.setattr(spin_module, "YIELDED_NS", 10**12)
-
-
-def test_spin_gives_up_after_its_budget(idle_machine):
+def test_spin_gives_up_after_its_budget():
     started = time.perf_counter()
     assert spin(lambda: [], 2_000_000) == []  # 2 ms
     assert 0.002 <= time.perf_counter() - started < 0.5
 
 
-def test_a_spin_gives_up_once_another_thread_wanted_the_core(monkeypatch):
-    """A yield that took long means another thread ran meanwhile: spinning on would take the core
-    from the very work the spin waits for."""
-    import os
-
-    looks: list[int] = []
-    monkeypatch.setattr(os, "sched_yield", lambda: time.sleep(0.001))  # somebody else ran for 1 ms
-    started = time.perf_counter()
-    assert spin(lambda: looks.append(1) or [], 10**9) == []  # a 1 s budget
-    assert len(looks) == 1 and time.perf_counter() - started < 0.5
-
-
-def test_a_spinner_spins_only_while_the_last_wait_ended_within_its_budget(idle_machine):
+def test_a_spinner_spins_only_while_the_last_wait_ended_within_its_budget():
     from runtime.transport.spin import Spinner
 
     spinner = Spinner(budget=50_000_000)  # 50 ms: a busy VM may stall a short wait for milliseconds
