@@ -11,6 +11,9 @@ request (EOS ignored):
     qwen3 tp=1 (inline engine)           c requests submitted at once (continuous batching)
     qwen3 tp=2 (local, 2 CPU ranks)      the same (full runs only); the ranks' collectives go through
                                          shared memory (``runtime.parallel.shm_collectives``)
+    qwen3 tp=1, F.linear                 the inline engine with ``packed_weights=False`` (full runs, at 1
+                                         and the top concurrency only): what oneDNN's prepacked weights
+                                         (``models.layers.packed``, the default) gain over torch's F.linear
 
 The helpers take a device, so that ``bench.gpu`` runs the same paths on CUDA.
 """
@@ -27,6 +30,7 @@ from bench.common import RunContext, Section, Table, Target, p50
 
 HF_ONE, HF_BATCH = "transformers, one call per request", "transformers, c prompts hand-batched in one call"
 TP1, TP2 = "qwen3 tp=1 (inline engine)", "qwen3 tp=2 (local, 2 CPU ranks, shared-memory collectives)"
+TP1_PLAIN = "qwen3 tp=1, F.linear (packed_weights=False)"
 
 
 def hf_generate(model: Any, batch: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -118,15 +122,20 @@ def run(ctx: RunContext) -> Section:
         else:
             started = llm.start_engines(path, stack)
             engines = {TP1: started["tp=1"], TP2: started["tp=2"]}
+            plain = {"model": str(path), "max_num_seqs": max(levels), "kv_cache_blocks": 256, "packed_weights": False}
+            engines[TP1_PLAIN] = stack.enter_context(Engine(EngineArgs("qwen3", plain)))
         ctx.progress("llm: warm-up (one single-prompt generate, one request per engine)")
         hf_generate(hf.model, batch[:1], new_tokens)
         for engine in engines.values():
             engine_generate(engine, batch[:1], new_tokens)
         paths = build_paths(hf.model, engines, batch, levels, singles, new_tokens)
+        for c in levels[1:-1]:  # the F.linear baseline only at both ends
+            paths.pop((TP1_PLAIN, c), None)
         rates, mismatched = measure(paths, (HF_BATCH, max(levels)), rounds, lambda m: ctx.progress(f"llm: {m}"))
         from bench.llm_stream import stream_table  # TTFT and ITL, streamed (its servers close the engines)
 
-        streaming = stream_table(engines, batch, new_tokens, ctx.quick, ctx.progress)
+        streaming = stream_table({k: e for k, e in engines.items() if k != TP1_PLAIN}, batch, new_tokens, ctx.quick,
+                                 ctx.progress)
     import torch
 
     method = [f"`bench.llm`'s random Qwen3 ({params / 1e6:.0f}M parameters, fp32, CPU, torch "

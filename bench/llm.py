@@ -1,6 +1,6 @@
 """LLM benchmark: generated tokens per second of the ``qwen3`` plugin against ``transformers.generate``.
 
-    python -m bench.llm [--quick] [--threads N] [--static-decode]
+    python -m bench.llm [--quick] [--threads N] [--static-decode] [--plain-linear]
 
 One random-weight Qwen3 checkpoint of about 58M parameters (hidden 512, 8 layers,
 GQA 8/4 heads, vocab 32000, untied) is written to a temporary directory; every
@@ -18,7 +18,9 @@ figures. The plugin's greedy tokens are checked against transformers' on the way
 
 ``--static-decode`` runs the qwen3 engines' decode steps on the static buffers of the
 CUDA-graph path (eagerly, on CPU: padded batches, fixed-width block tables) instead of
-the default eager decode; compare two runs, with and without it.
+the default eager decode; compare two runs, with and without it. ``--plain-linear``
+multiplies by torch's ``F.linear`` instead of oneDNN's prepacked weights (plugin_args
+``packed_weights=False``; ``models.layers.packed``).
 
 Target (issue 4): at least 2x transformers with 16 concurrent requests at tp=1.
 ``generate`` has no notion of concurrent requests: a server built on it runs one
@@ -104,12 +106,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_engines(path: Path, stack: contextlib.ExitStack, static_decode: bool = False) -> dict:
+def start_engines(path: Path, stack: contextlib.ExitStack, static_decode: bool = False,
+                  packed_weights: bool = True) -> dict:
     from runtime import (AttentionParallelConfig, DenseParallelConfig, DeploymentConfig, DeviceConfig, Engine,
                          EngineArgs, EngineConfig, ParallelConfig, WorkerSupervisorConfig)
 
     plugin_args = {"model": str(path), "max_num_seqs": CONCURRENT, "kv_cache_blocks": 256,
-                   "static_decode": static_decode}
+                   "static_decode": static_decode, "packed_weights": packed_weights}
     inline = stack.enter_context(Engine(EngineArgs("qwen3", plugin_args)))
     tp2 = ParallelConfig(dense=DenseParallelConfig(tp_size=2), attention=AttentionParallelConfig(tp_size=2))
     local = stack.enter_context(Engine(
@@ -127,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--static-decode", action="store_true",
                         help="decode on the static buffers of the CUDA-graph path, run eagerly (plugin_args "
                              "static_decode=True), to compare with the default eager decode")
+    parser.add_argument("--plain-linear", action="store_true",
+                        help="multiply by torch's F.linear rather than oneDNN's prepacked weights (plugin_args "
+                             "packed_weights=False), to compare with the default")
     opts = parser.parse_args(argv)
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)
@@ -137,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(tmp) / "qwen3-58m"
         params = make_checkpoint(path)
         hf = HFPaths(path)
-        engines = start_engines(path, stack, opts.static_decode)
+        engines = start_engines(path, stack, opts.static_decode, not opts.plain_linear)
         paths = {
             ("transformers", ONE): lambda: hf.one_by_one(batch[:singles]),
             ("transformers", HAND): lambda: hf.generate(batch),
@@ -163,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     hf_batched = best[("transformers", HAND)]
     print(f"\nqwen3 vs transformers.generate: random Qwen3, {params / 1e6:.0f}M params, {PROMPT_TOKENS}-token "
           f"prompts, {NEW_TOKENS} new tokens, greedy, fp32 CPU, qwen3 decode "
-          f"{'on static buffers' if opts.static_decode else 'eager'}, torch {torch.__version__}, "
+          f"{'on static buffers' if opts.static_decode else 'eager'}, "
+          f"{'F.linear' if opts.plain_linear else 'oneDNN-packed'} linear layers, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {rounds} round(s), best of rounds\n")
     print("| path | requests | tokens/s | x transformers, one call per request | x transformers, 16 hand-batched "
           "| greedy = HF |")

@@ -129,6 +129,14 @@ def test_greedy_matches_transformers_inline(inline, reference, name):
     assert together == {"token_ids": reference[name], "finish_reasons": ["length"] * len(PROMPTS)}
 
 
+def test_linear_layers_are_packed_on_the_cpu_and_f_linear_gives_the_same_tokens(inline, ckpt, reference):
+    runner = runner_of(inline["gqa"])
+    assert runner.packed_layers == 2 * 4 + 1  # per layer qkv, o, gate_up, down; the head
+    with Engine(EngineArgs("qwen3", {"model": str(ckpt["gqa"]), "packed_weights": False})) as plain:
+        assert runner_of(plain).packed_layers == 0
+        assert greedy(plain, PROMPTS)["token_ids"] == reference["gqa"]
+
+
 def test_greedy_matches_transformers_tp2_local(local, reference):
     for prompt, want in zip(PROMPTS, reference["gqa"]):
         assert greedy(local, prompt)["token_ids"] == [want]
@@ -283,6 +291,7 @@ def test_bad_request_to_a_local_group_fails_in_the_caller(local):
     ({"model": "/nonexistent/qwen3"}, None, ValueError, "no config.json"),
     ({"model": "CKPT", "block_size": 0}, None, ValueError, "block_size"),
     ({"model": "CKPT", "kv_cache_blocks": 2.5}, None, TypeError, "kv_cache_blocks"),
+    ({"model": "CKPT", "packed_weights": 1}, None, TypeError, "packed_weights"),
     ({"model": "CKPT"}, ParallelConfig(dense=DenseParallelConfig(tp_size=2)), ValueError, "dense tp == attention tp"),
     ({"model": "CKPT"}, ParallelConfig(dense=DenseParallelConfig(tp_size=8),
                                        attention=AttentionParallelConfig(tp_size=8)), ValueError, "must divide"),

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from models.layers import packed as packing
 from models.layers.linear import check_shape, copy_into, take
 from runtime import parallel as P
 
@@ -69,9 +70,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         if bias:
             raise ValueError("ParallelLMHead: bias=True is not supported (Qwen3's lm_head has no bias)")
         super().__init__(num_embeddings, embedding_dim, group=group, params_dtype=params_dtype, device=device)
+        self.packed: Any = None  # models.layers.packed.pack_model: the weight reordered for oneDNN (CPU)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(x, self.weight)
+        logits = F.linear(x, self.weight) if self.packed is None else packing.linear(x, self.packed)
         if self.tp_size == 1:
             return logits[..., :self.num_embeddings] if self.shard_size != self.num_embeddings else logits
         logits = P.gather(logits, self.group, dst=0, dim=-1)

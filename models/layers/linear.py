@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from models.layers import packed as packing
 from runtime import parallel as P
 
 
@@ -74,6 +75,8 @@ class LinearBase(nn.Module):
         self.tp_size = P.size(group)
         kw = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
         self.weight = nn.Parameter(torch.empty(output_size, input_size, **kw), requires_grad=False)
+        self.weight_shape = (output_size, input_size)
+        self.packed: Any = None  # models.layers.packed.pack_model: the weight reordered for oneDNN (CPU)
         self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, **kw), requires_grad=False)
@@ -94,10 +97,16 @@ class LinearBase(nn.Module):
         else:
             copy_into(param, take(loaded))
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T + bias``, through the packed weight once it is packed."""
+        if self.packed is not None:
+            return packing.linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
+
     def extra_repr(self) -> str:
-        out, inp = self.weight.shape
+        out, inp = self.weight_shape
         return (f"in={inp}, out={out}, bias={self.bias is not None}, group={self.group!r}, "
-                f"tp={self.tp_rank}/{self.tp_size}")
+                f"tp={self.tp_rank}/{self.tp_size}, packed={self.packed is not None}")
 
 
 class ColumnParallelLinear(LinearBase):
@@ -110,7 +119,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, shard, bias, 0, group=group, params_dtype=params_dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -197,5 +206,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, by group rank 0, before the partial sums are added up.
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self.matmul(x, self.bias if self.tp_rank == 0 else None)
         return P.all_reduce(y, self.group)

@@ -119,6 +119,11 @@ class Qwen3Runner:
         self.leader = P.rank("world") == 0
         self.model = Qwen3ForCausalLM(load_config(args.model), self.dtype, self.device).eval()
         load_checkpoint(self.model, args.model)
+        self.packed_layers = 0
+        if args.packed_weights and self.device.type == "cpu":
+            from models.layers.packed import pack_model
+
+            self.packed_layers = pack_model(self.model)
         flash, self.attention_backend = flash_attention_status(self.device, self.dtype, args.block_size)
         if not flash:
             self.attention_backend = f"torch SDPA ({self.attention_backend})"
@@ -144,8 +149,9 @@ class Qwen3Runner:
             decode = ("CUDA graphs" if graphs else "static buffers, run eagerly (static_decode=True)" if static
                       else "eager")
             log.log(logging.WARNING if self.device.type == "cuda" and not graphs and not args.enforce_eager
-                    else logging.INFO, "qwen3: CUDA graphs %s; decode: %s; attention: %s",
-                    self.cuda_graphs, decode, self.attention_backend)
+                    else logging.INFO, "qwen3: CUDA graphs %s; decode: %s; attention: %s; linear layers: %s",
+                    self.cuda_graphs, decode, self.attention_backend,
+                    f"{self.packed_layers} oneDNN-packed" if self.packed_layers else "F.linear")
         # counters for inspection: steps run, decode steps on the static buffers, most sequences in one step
         self.num_steps = 0
         self.num_static_steps = 0
