@@ -107,8 +107,6 @@ class Qwen3Runner:
 
     def __init__(self, ctx: BuildContext, args: Qwen3Args) -> None:
         from models.layers.attention import flash_attention_status
-        from models.loader import load_checkpoint, load_config
-        from models.qwen3.model import Qwen3ForCausalLM
         from models.qwen3.static_decode import StaticDecoder, cuda_graph_status
 
         self.args = args
@@ -117,13 +115,7 @@ class Qwen3Runner:
         self.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).removeprefix("torch."))
         self.distributed = P.size("world") > 1
         self.leader = P.rank("world") == 0
-        self.model = Qwen3ForCausalLM(load_config(args.model), self.dtype, self.device).eval()
-        load_checkpoint(self.model, args.model)
-        self.packed_layers = 0
-        if args.packed_weights and self.device.type == "cpu":
-            from models.layers.packed import pack_model
-
-            self.packed_layers = pack_model(self.model)
+        self.model, self.packed_layers = _load_model(args, self.dtype, self.device)
         flash, self.attention_backend = flash_attention_status(self.device, self.dtype, args.block_size)
         if not flash:
             self.attention_backend = f"torch SDPA ({self.attention_backend})"
@@ -349,3 +341,18 @@ def _broadcast_plan(data: bytes | None) -> bytes:
         rest[:] = np.frombuffer(data[PLAN_BYTES - 8:], dtype=np.uint8)
     P.cpu_broadcast(torch.from_numpy(rest), src=0)
     return head[8:].tobytes() + rest.tobytes()
+
+
+def _load_model(args: Qwen3Args, dtype: torch.dtype, device: torch.device) -> tuple[Any, int]:
+    """The model with this rank's slices of the checkpoint loaded; on the CPU its linear layers
+    packed for oneDNN unless ``packed_weights`` is False (``models.layers.packed``); how many were."""
+    from models.loader import load_checkpoint, load_config
+    from models.qwen3.model import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(load_config(args.model), dtype, device).eval()
+    load_checkpoint(model, args.model)
+    if not args.packed_weights or device.type != "cpu":
+        return model, 0
+    from models.layers.packed import pack_model
+
+    return model, pack_model(model)
