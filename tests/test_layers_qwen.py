@@ -227,14 +227,17 @@ def test_lm_head_refuses_bias():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rmsnorm_matches_transformers_with_and_without_residual(dtype):
-    ref = hf_qwen3.Qwen3RMSNorm(24, eps=1e-5).to(dtype)
+@pytest.mark.parametrize("shape", [(5, 24), (16, 512), (3, 8, 64)])
+def test_rmsnorm_matches_transformers_with_and_without_residual(dtype, shape):
+    """Bitwise: float32 takes torch's fused F.rms_norm, other dtypes the steps transformers takes."""
+    width = shape[-1]
+    ref = hf_qwen3.Qwen3RMSNorm(width, eps=1e-5).to(dtype)
     with torch.no_grad():
-        ref.weight.copy_(1 + 0.3 * torch.randn(24))
-    norm = RMSNorm(24, 1e-5, params_dtype=dtype)
+        ref.weight.copy_(1 + 0.3 * torch.randn(width))
+    norm = RMSNorm(width, 1e-5, params_dtype=dtype)
     with torch.no_grad():
         norm.weight.copy_(ref.weight)
-    x, res = torch.randn(5, 24).to(dtype), torch.randn(5, 24).to(dtype)
+    x, res = torch.randn(*shape).to(dtype), torch.randn(*shape).to(dtype)
     assert torch.equal(norm(x), ref(x))
     y, new_res = norm(x, res)
     assert torch.equal(new_res, x + res) and torch.equal(y, ref(x + res))
