@@ -70,7 +70,7 @@ from runtime.client.replies import Pending, Replies
 from runtime.client.routing import RoutingClient
 from runtime.client.shm import ShmSession
 from runtime.client.streams import ClientStream
-from runtime.core.futures import resolve
+from runtime.core.futures import Slot, resolve
 from runtime.transport.protocol import DEFAULT_SHM_THRESHOLD, PayloadEncoder
 from runtime.transport.reader import ReaderRole
 from runtime.transport.shm import sweep_stale
@@ -160,7 +160,7 @@ class Client:
 
     def call(self, payload: Any, timeout: float | None = None) -> Any:
         """``submit(payload, timeout=timeout).result(timeout)``; raises DeadlineExceededError on time-out."""
-        future = self._submit(payload, timeout)
+        future = self._submit(payload, timeout, slot=True)  # nobody else sees it: a Slot, not a Future
         if self._role.wait(future, timeout, self._read) or future.done():
             return future.result()
         if future.cancel():
@@ -264,9 +264,10 @@ class Client:
 
     # -- sending -----------------------------------------------------------------------
 
-    def _submit(self, payload: Any, timeout: float | None, stream: Any = None) -> Future:
+    def _submit(self, payload: Any, timeout: float | None, stream: Any = None, slot: bool = False) -> Future:
         """Encode and send a submit (a stream op with ``stream``, a ``StreamState``); its future
-        (with ``request_id``, for ``cancel``)."""
+        (with ``request_id``, for ``cancel``): a ``Slot`` with ``slot``, for a caller that waits
+        for it itself and hands it to nobody."""
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not 0 < timeout < math.inf):
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
@@ -289,8 +290,8 @@ class Client:
         released = session.take_released() if session is not None and session.released else None
         header = submit_header(request_id, timeout, session is not None and session.result_mapper is not None,
                                packed.data, released, stream is not None)
-        future: Future = Future()
-        future.request_id = request_id  # type: ignore[attr-defined]
+        future: Any = Slot() if slot else Future()
+        future.request_id = request_id
         self._replies.add(request_id, Pending(future, "submit", time.monotonic(), encoder.blocks, session, released,
                                               stream))
         self._conn.send(request_id, [header, *encoder.frames] if encoder.frames else [header])

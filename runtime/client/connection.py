@@ -36,7 +36,6 @@ import functools
 import logging
 import threading
 import time
-from concurrent.futures import Future
 from typing import Any
 
 import zmq
@@ -91,6 +90,7 @@ class Connection:
         self._reader_poller = zmq.Poller()  # the reading caller's (one at a time)
         self._reader_poller.register(self.sock, zmq.POLLIN)
         self._reader_poller.register(role.fd, zmq.POLLIN)
+        self._poll_now = functools.partial(self._reader_poller.poll, 0)  # the spinner's look
 
     def _configure(self, server_public_key: str | bytes | None, public_key: str | bytes | None,
                    secret_key: str | bytes | None) -> None:
@@ -186,7 +186,7 @@ class Connection:
 
     # -- reading (the holder of the reader role) -------------------------------------------
 
-    def read_until(self, future: Future, deadline: float | None) -> None:
+    def read_until(self, future: Any, deadline: float | None) -> None:
         """``ReaderRole.wait``'s ``read``: hold the socket and read until ``future`` is done, the
         deadline passes or the role is closed (then give the role up: close() fails the future)."""
         lock, poller, role = self.lock, self._reader_poller, self._role
@@ -217,23 +217,28 @@ class Connection:
             if role.closed and not future.done():
                 role.leave(hand_on=False)  # so that our wait sleeps on the future, which close() fails
 
-    def poll(self, poller: zmq.Poller, timeout_s: float, done: list, spinner: Spinner | None = None) -> dict:
+    def poll(self, poller: zmq.Poller, timeout_s: float, done: list, spinner: Spinner | None = None) -> list:
         """Holding the socket: send what is queued, wait up to ``timeout_s`` for a message and read
-        it (a ``spinner`` polls a moment before sleeping: ``runtime.transport.spin``)."""
+        it (a ``spinner`` polls a moment before sleeping: ``runtime.transport.spin``); what fired,
+        as ``zmq.Poller.poll`` lists it."""
         self.polling = True
         try:
             if self.outbox:
                 self.flush(done)
-            if spinner is not None and timeout_s > 0 and not done:
-                events = dict(spinner.wait(functools.partial(poller.poll, 0), poller.poll, int(timeout_s * 1000) + 1))
+            ms = int(timeout_s * 1000) + 1 if timeout_s > 0 and not done else 0
+            if spinner is not None and ms:
+                events = spinner.wait(self._poll_now if poller is self._reader_poller else
+                                      functools.partial(poller.poll, 0), poller.poll, ms)
             else:
-                events = dict(poller.poll(int(timeout_s * 1000) + 1 if timeout_s > 0 and not done else 0))
+                events = poller.poll(ms)
         finally:
             self.polling = False
-        if self._role.fd in events:
-            self._role.drain()
-        if self.sock in events:
-            self.read_one(done)
+        sock = self.sock
+        for what, _ in events:
+            if what is sock:
+                self.read_one(done)
+            elif what == self._role.fd:
+                self._role.drain()
         return events
 
     def read_one(self, done: list) -> None:

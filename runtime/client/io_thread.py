@@ -107,7 +107,7 @@ class IOThread:
         done: list = []
         try:
             with self._conn.lock:
-                events = self._conn.poll(poller, wait, done) if self._conn.open else {}
+                events = dict(self._conn.poll(poller, wait, done)) if self._conn.open else {}
         finally:
             self._role.leave(hand_on=False)
         complete(done)

@@ -1,6 +1,6 @@
 """ReaderRole: at most one thread reads a socket, and a thread waiting for its answer reads it itself.
 
-Torch-free: imports only ``runtime.transport.wake_pipe`` of the project.
+Torch-free: imports only ``runtime.transport.wake_pipe`` and ``runtime.core.futures`` of the project.
 
 Used by the client (``runtime.client``) and the supervisor's request channel: one
 socket carries the answers to many futures, and handing every answer from an I/O
@@ -44,6 +44,7 @@ from concurrent import futures
 from concurrent.futures import Future
 from typing import Callable, Iterator
 
+from runtime.core.futures import Slot
 from runtime.transport.wake_pipe import WakePipe
 
 _intent = threading.local()
@@ -117,14 +118,15 @@ class ReaderRole:
             if self._holder != threading.get_ident():
                 return  # not ours (close() may have taken it away)
             self._holder = None
-            self._left.notify_all()
+            if self.closed:  # only wait_released waits on it, and only after close()
+                self._left.notify_all()
             hand_on = hand_on and not self.closed and self._awaiting()
         if hand_on:
             self._wake_fallback()
 
     # -- waiting for an answer ---------------------------------------------------------
 
-    def wait(self, future: Future, timeout: float | None,
+    def wait(self, future: Future | Slot, timeout: float | None,
              read: Callable[[Future, float | None], None]) -> bool:
         """Until ``future`` is done (True) or ``timeout`` passed (False): as the reader when the
         role is free or this thread's, calling ``read(future, deadline)`` (read until the future
@@ -138,7 +140,10 @@ class ReaderRole:
                 if remaining is not None and remaining <= 0:
                     return False
                 if not self.take():
-                    futures.wait([future], remaining)  # (not future.result: subclasses may read there)
+                    if isinstance(future, Slot):
+                        future.wait(remaining)
+                    else:
+                        futures.wait([future], remaining)  # (not future.result: subclasses may read there)
                     continue
                 self._depth.n = depth + 1
                 try:
