@@ -42,6 +42,7 @@ read, then masked; -1 reads block 0).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -86,6 +87,9 @@ class AttentionMetadata:
     cu_seqlens_q: [B+1] int64, offsets of each sequence's new tokens in the flat batch.
     static:       a fixed-shape decode that must not synchronise with the host (see the module
                   docstring): no -1 in slot_mapping, attention spans every block_tables column.
+    cache:        None, or a dict in which the layers of ONE forward pass keep what they derive
+                  from this metadata alike (the kept slots, the decode's block list and mask):
+                  the model gives each forward a fresh one (``per_forward``), never a layer.
     """
 
     is_prefill: bool
@@ -94,20 +98,45 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     cu_seqlens_q: torch.Tensor
     static: bool = False
+    cache: dict[str, Any] | None = None
+
+    def per_forward(self) -> "AttentionMetadata":
+        """A copy whose layers derive the shared tensors once (a new ``cache``): one per forward
+        pass, since the runner may refill the same tensors for the next step."""
+        return AttentionMetadata(self.is_prefill, self.slot_mapping, self.context_lens, self.block_tables,
+                                 self.cu_seqlens_q, self.static, {})
+
+    def derived(self, key: str, make: Any) -> Any:
+        """``make()``, kept in ``cache`` under ``key`` for the other layers of this forward pass."""
+        if self.cache is None:
+            return make()
+        value = self.cache.get(key)
+        if value is None:
+            value = self.cache[key] = make()
+        return value
+
+
+def kept_slots(slot_mapping: torch.Tensor, all_valid: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The slots to write (int64) and, where some are -1, the mask of the tokens kept (else None)."""
+    slots = slot_mapping.long()
+    if not all_valid:
+        keep = slots >= 0
+        if not bool(keep.all()):
+            return slots[keep], keep
+    return slots, None
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor, all_valid: bool = False) -> None:
+                  slot_mapping: torch.Tensor, all_valid: bool = False, meta: AttentionMetadata | None = None) -> None:
     """``cache.view(-1, kv_heads, head_dim)[slot] = k/v`` for every token whose slot is not -1.
 
     ``all_valid``: the caller guarantees no slot is -1; nothing is then read back to the host
     (the check below is a host-device sync on CUDA, and its filter a data-dependent shape).
     """
-    slots = slot_mapping.long()
-    if not all_valid:
-        keep = slots >= 0
-        if not bool(keep.all()):
-            k, v, slots = k[keep], v[keep], slots[keep]
+    slots, keep = kept_slots(slot_mapping, all_valid) if meta is None else meta.derived(
+        "slots", lambda: kept_slots(slot_mapping, all_valid))
+    if keep is not None:
+        k, v = k[keep], v[keep]
     # index_copy_, not ``cache[slots] = k``: the index_put path is orders of magnitude slower on CPU
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
@@ -132,7 +161,7 @@ class Attention(nn.Module):
         """q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""
         cached = self.k_cache.numel() > 0
         if cached:
-            store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, all_valid=meta.static)
+            store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, meta.static, meta)
         if cached and self._flash(q):
             return self._flash_forward(q, k, v, meta)
         if not meta.is_prefill:
@@ -173,27 +202,17 @@ class Attention(nn.Module):
         return out
 
     def _decode(self, q, meta: AttentionMetadata) -> torch.Tensor:
-        lens = meta.context_lens.to(q.device)
+        lens = meta.context_lens
         if q.size(0) != lens.numel():
             raise ValueError(f"Attention: a decode step has one token per sequence, got {q.size(0)} tokens "
                              f"for {lens.numel()} sequences")
-        longest = None
-        if meta.static:  # a fixed width, no host sync: the caller sized the table for the longest sequence
-            blocks = meta.block_tables
-        else:
-            longest = int(lens.max())
-            blocks = meta.block_tables[:, :-(-longest // self.k_cache.size(1))]  # blocks of the longest sequence
-        blocks = blocks.long().clamp(min=0)  # -1 padding reads block 0, masked below
-        flat = blocks.flatten()
-        shape = (blocks.size(0), -1, *self.k_cache.shape[2:])            # [B, S, kv, d]
+        block_size = self.k_cache.size(1)
+        flat, longest, mask = meta.derived(f"decode/{block_size}", lambda: decode_plan(meta, block_size, q.device))
+        shape = (lens.numel(), -1, *self.k_cache.shape[2:])            # [B, S, kv, d]
         keys = self.k_cache.index_select(0, flat).view(shape).to(q.dtype)
         values = self.v_cache.index_select(0, flat).view(shape).to(q.dtype)
-        if longest is not None and bool((lens == longest).all()):
-            # every sequence attends to exactly its first `longest` slots (one request, or equal
-            # lengths): no mask, which the CPU kernel runs in about half the time
-            keys, values, mask = keys[:, :longest], values[:, :longest], None
-        else:
-            mask = (torch.arange(keys.size(1), device=q.device)[None, :] < lens[:, None])[:, None, None, :]
+        if mask is None and longest is not None:
+            keys, values = keys[:, :longest], values[:, :longest]
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),  # [B, h, 1, d] x [B, kv, S, d]
             attn_mask=mask, scale=self.scale, enable_gqa=True)
@@ -224,3 +243,24 @@ class Attention(nn.Module):
         return flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                                       max_seqlen_q=int(new.max()), max_seqlen_k=int(lens.max()),
                                       softmax_scale=self.scale, causal=True, block_table=table)
+
+
+def decode_plan(meta: AttentionMetadata, block_size: int, device: torch.device
+                ) -> tuple[torch.Tensor, int | None, torch.Tensor | None]:
+    """What every layer's decode attention reads: the blocks to gather (flattened, int64), the
+    longest sequence (None on the static path) and the mask of the slots each sequence attends
+    to (None when every sequence attends to exactly its first ``longest`` slots)."""
+    lens = meta.context_lens.to(device)
+    longest = None
+    if meta.static:  # a fixed width, no host sync: the caller sized the table for the longest sequence
+        blocks = meta.block_tables
+    else:
+        longest = int(lens.max())
+        blocks = meta.block_tables[:, :-(-longest // block_size)]  # blocks of the longest sequence
+    flat = blocks.long().clamp(min=0).flatten()  # -1 padding reads block 0, masked below
+    if longest is not None and bool((lens == longest).all()):
+        # every sequence attends to exactly its first `longest` slots (one request, or equal
+        # lengths): no mask, which the CPU kernel runs in about half the time
+        return flat, longest, None
+    width = blocks.size(1) * block_size
+    return flat, longest, (torch.arange(width, device=device)[None, :] < lens[:, None])[:, None, None, :]

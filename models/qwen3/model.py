@@ -75,12 +75,13 @@ class Qwen3Attention(nn.Module):
         self.rotary_emb = rotary_emb  # one table shared by every layer
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """``rope``: ``RotaryEmbedding.table`` of this pass's positions."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim)))
         k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb.apply(rope, q, k)
         o = self.attn(q, k, v.unflatten(-1, (self.num_kv_heads, self.head_dim)), meta)
         return self.o_proj(o.flatten(1))
 
@@ -105,12 +106,12 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
 
-    def forward(self, positions, x, residual, meta):
+    def forward(self, rope, x, residual, meta):
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
+        x = self.self_attn(rope, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -126,8 +127,10 @@ class Qwen3Model(nn.Module):
 
     def forward(self, input_ids, positions, meta):
         x, residual = self.embed_tokens(input_ids), None
+        # what every layer derives alike from the positions and the metadata, made once per pass
+        rope, meta = self.layers[0].self_attn.rotary_emb.table(positions, x.dtype), meta.per_forward()
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
+            x, residual = layer(rope, x, residual, meta)
         x, _ = self.norm(x, residual)
         return x
 
