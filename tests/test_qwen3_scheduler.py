@@ -187,6 +187,14 @@ def test_greedy_is_argmax_and_top_k_1_is_greedy():
     assert sample(logits, seqs) == logits.argmax(-1).tolist()
 
 
+def test_greedy_takes_the_first_of_tied_maxima_as_torch_argmax_does():
+    logits = torch.zeros(3, 32000)
+    logits[0, [5, 9]] = 2.0
+    logits[1, [31999, 7]] = 1.0
+    logits[2, :] = -1.0
+    assert sample(logits, [seq(1)] * 3) == logits.argmax(-1).tolist() == [5, 7, 0]
+
+
 def test_seeded_sampling_is_reproducible_whatever_the_batch():
     logits = logits_for(4)
 
