@@ -24,7 +24,8 @@ lone caller's round trip involves no other Python thread of this process, and it
 Invariants (each module states its own):
 - Who reads the socket is decided only by the ``ReaderRole`` (one holder; it re-enters, so
   a completion callback may call this client again from the reader's thread).
-- Every future is a ``concurrent.futures.Future``, completed once, with no lock held.
+- Every future is a ``concurrent.futures.Future`` (``call``'s, which nobody else sees, a lighter
+  ``runtime.core.futures.Slot``), completed once, with no lock held.
 - ``close()`` fails what is in flight, then closes the role (the reader leaves), then the
   I/O thread closes the socket; the descriptors and the context go once it has ended.
 
