@@ -116,13 +116,13 @@ def run(ctx: RunContext) -> Section:
         hf = llm.HFPaths(path)
         stack.callback(shutil.rmtree, path, True)
         ctx.progress("llm: starting the qwen3 engine" + ("" if ctx.quick else "s (tp=1 inline, tp=2 local)"))
+        plugin_args = {"model": str(path), "max_num_seqs": max(levels), "kv_cache_blocks": 256}
         if ctx.quick:
-            plugin_args = {"model": str(path), "max_num_seqs": max(levels), "kv_cache_blocks": 256}
             engines = {TP1: stack.enter_context(Engine(EngineArgs("qwen3", plugin_args)))}
         else:
             started = llm.start_engines(path, stack)
             engines = {TP1: started["tp=1"], TP2: started["tp=2"]}
-            plain = {"model": str(path), "max_num_seqs": max(levels), "kv_cache_blocks": 256, "packed_weights": False}
+            plain = plugin_args | {"packed_weights": False}
             engines[TP1_PLAIN] = stack.enter_context(Engine(EngineArgs("qwen3", plain)))
         ctx.progress("llm: warm-up (one single-prompt generate, one request per engine)")
         hf_generate(hf.model, batch[:1], new_tokens)

@@ -41,7 +41,7 @@ read, then masked; -1 reads block 0).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -103,8 +103,7 @@ class AttentionMetadata:
     def per_forward(self) -> "AttentionMetadata":
         """A copy whose layers derive the shared tensors once (a new ``cache``): one per forward
         pass, since the runner may refill the same tensors for the next step."""
-        return AttentionMetadata(self.is_prefill, self.slot_mapping, self.context_lens, self.block_tables,
-                                 self.cu_seqlens_q, self.static, {})
+        return replace(self, cache={})
 
     def derived(self, key: str, make: Any) -> Any:
         """``make()``, kept in ``cache`` under ``key`` for the other layers of this forward pass."""

@@ -73,7 +73,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed: Any = None  # models.layers.packed.pack_model: the weight reordered for oneDNN (CPU)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(x, self.weight) if self.packed is None else packing.linear(x, self.packed)
+        logits = packing.matmul(self, x)
         if self.tp_size == 1:
             return logits[..., :self.num_embeddings] if self.shard_size != self.num_embeddings else logits
         logits = P.gather(logits, self.group, dst=0, dim=-1)

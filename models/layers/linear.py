@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from models.layers import packed as packing
 from runtime import parallel as P
@@ -97,12 +96,6 @@ class LinearBase(nn.Module):
         else:
             copy_into(param, take(loaded))
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x W^T + bias``, through the packed weight once it is packed."""
-        if self.packed is not None:
-            return packing.linear(x, self.packed, bias)
-        return F.linear(x, self.weight, bias)
-
     def extra_repr(self) -> str:
         out, inp = self.weight_shape
         return (f"in={inp}, out={out}, bias={self.bias is not None}, group={self.group!r}, "
@@ -119,7 +112,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, shard, bias, 0, group=group, params_dtype=params_dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        return packing.matmul(self, x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -206,5 +199,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, by group rank 0, before the partial sums are added up.
-        y = self.matmul(x, self.bias if self.tp_rank == 0 else None)
+        y = packing.matmul(self, x, self.bias if self.tp_rank == 0 else None)
         return P.all_reduce(y, self.group)

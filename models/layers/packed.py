@@ -70,6 +70,14 @@ def linear(x: torch.Tensor, packed: Any, bias: torch.Tensor | None = None) -> to
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def matmul(layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T + bias`` for a layer with ``weight`` and a ``packed`` slot: through the packed
+    weight once ``pack_layer`` packed it, else ``F.linear``."""
+    if layer.packed is not None:
+        return linear(x, layer.packed, bias)
+    return F.linear(x, layer.weight, bias)
+
+
 def pack_layer(layer: Any, free: bool) -> bool:
     """Pack ``layer.weight`` into ``layer.packed`` (which its forward then uses); with ``free``, the
     plain weight's memory is given back (its shape stays in ``layer.weight_shape``). False where

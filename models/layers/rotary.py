@@ -54,15 +54,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", torch.stack((emb.cos(), emb.sin())).to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.apply(self.table(positions, q.dtype), q, k)
+        return self.rotate(self.table(positions, q.dtype), q, k)
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """cos and sin at ``positions`` ([2, T, 1, d]): the same for every layer of a forward pass,
-        so a model looks them up once and hands them to each layer's ``apply``."""
+        so a model looks them up once and hands them to each layer's ``rotate``."""
         return self.cos_sin[:, positions].to(dtype).unsqueeze(-2)
 
     @staticmethod
-    def apply(table: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(table: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = table
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 

@@ -81,7 +81,7 @@ class Qwen3Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim)))
         k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
-        q, k = self.rotary_emb.apply(rope, q, k)
+        q, k = self.rotary_emb.rotate(rope, q, k)
         o = self.attn(q, k, v.unflatten(-1, (self.num_kv_heads, self.head_dim)), meta)
         return self.o_proj(o.flatten(1))
 
