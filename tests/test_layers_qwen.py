@@ -20,8 +20,8 @@ from transformers.models.qwen3 import modeling_qwen3 as hf_qwen3
 from models.layers.attention import Attention, AttentionMetadata
 from models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from models.layers.linear import MergedColumnParallelLinear, QKVColumnParallelLinear, RowParallelLinear
-from models.layers.norm import RMSNorm
-from models.layers.rotary import RotaryEmbedding, rope_theta
+from models.layers.norm import RMSNorm, rms_norm_heads
+from models.layers.rotary import RotaryEmbedding, rope_theta, rotate_heads
 from models.loader import LazySlice
 from runtime import parallel as P
 from runtime.core.config import AttentionParallelConfig, DenseParallelConfig, ParallelConfig
@@ -241,6 +241,25 @@ def test_rmsnorm_matches_transformers_with_and_without_residual(dtype, shape):
     assert torch.equal(norm(x), ref(x))
     y, new_res = norm(x, res)
     assert torch.equal(new_res, x + res) and torch.equal(y, ref(x + res))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_query_and_key_heads_normed_and_rotated_together_equal_them_apart(dtype):
+    """Qwen3Attention's joint pass over a strided [T, h + kv, d] view of the qkv output: the same
+    bits as transformers' q_norm and k_norm (each its own weight) and the rotation of q and k apart."""
+    tokens, heads, kv_heads, d = 6, 4, 2, 32
+    q_norm, k_norm = hf_qwen3.Qwen3RMSNorm(d, eps=1e-6).to(dtype), hf_qwen3.Qwen3RMSNorm(d, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        q_norm.weight.copy_(1 + 0.3 * torch.randn(d))
+        k_norm.weight.copy_(1 - 0.3 * torch.randn(d))
+    qkv = (3 * torch.randn(tokens, (heads + 2 * kv_heads) * d)).to(dtype)
+    table = RotaryEmbedding(d, 64, 1e4).table(torch.tensor([0, 5, 9, 63, 2, 2]), dtype)
+    q, k, _ = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    want_q, want_k = RotaryEmbedding.rotate(table, q_norm(q.unflatten(-1, (heads, d))),
+                                            k_norm(k.unflatten(-1, (kv_heads, d))))
+    weight = torch.cat((q_norm.weight.expand(heads, d), k_norm.weight.expand(kv_heads, d)))
+    qk = rotate_heads(table, rms_norm_heads(qkv.unflatten(-1, (-1, d))[:, :heads + kv_heads], weight, 1e-6))
+    assert torch.equal(qk[:, :heads], want_q) and torch.equal(qk[:, heads:], want_k)
 
 
 def test_rotary_matches_transformers():

@@ -6,6 +6,10 @@ fused step: ``s = x + residual`` (in x's dtype, as transformers adds), returns
 
 In float32 the norm is torch's ``F.rms_norm``: one operator instead of six, bitwise equal
 to the steps below on the CPU (tests/test_layers_qwen.py); other dtypes take the steps.
+
+``rms_norm_heads(x, weight, eps)`` normalises each head of ``x`` [T, n, d] with its own
+row of ``weight`` [n, d]: Qwen3's q_norm and k_norm in one pass over the query and key
+heads together (the same operations per element as the two norms, so the same bits).
 """
 
 from __future__ import annotations
@@ -27,9 +31,7 @@ class RMSNorm(nn.Module):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.shape, self.weight, self.eps)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return _steps(x, self.weight, self.eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
@@ -39,3 +41,18 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def _steps(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3's RMSNorm step by step: statistics in float32, ``weight`` applied in x's dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of every head of ``x`` [T, n, d] (a strided view will do) with ``weight`` [n, d]:
+    row i of ``weight`` for head i."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], None, eps) * weight
+    return _steps(x, weight, eps)

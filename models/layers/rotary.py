@@ -1,7 +1,7 @@
 """Rotary position embedding as Qwen3 uses it (rotate-half, default rope only).
 
 ``rope(positions [T], q [T, h, d], k [T, kv, d]) -> (q, k)``, both rotated by each
-token's own position. The cos/sin table is computed once in float32 for
+token's own position; ``rotate_heads(table, x)`` rotates any [T, n, d] heads at once. The cos/sin table is computed once in float32 for
 ``max_position`` positions (``pos * inv_freq``, exactly as transformers does) and
 cast to the query dtype when applied.
 """
@@ -42,6 +42,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rotate_heads(table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Every head of ``x`` [T, n, d] rotated by its token's row of ``table`` (``RotaryEmbedding.table``):
+    the query and key heads may go together, in one [T, q_heads + kv_heads, d] tensor."""
+    cos, sin = table
+    return x * cos + rotate_half(x) * sin
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float, *, device: torch.device | str | None = None):
         super().__init__()
@@ -63,8 +70,7 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def rotate(table: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = table
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return rotate_heads(table, q), rotate_heads(table, k)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}, base={self.base}"
