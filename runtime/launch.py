@@ -58,6 +58,7 @@ import threading
 import time
 from typing import Any
 
+from runtime.core.heap import freeze_startup_heap
 from runtime.core.signals import SignalRelay
 from runtime.serving.cli import build_parser
 
@@ -229,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_START_FAILED
 
     _print_ready(front, topology)
+    freeze_startup_heap()  # this process is ours: the engine and the server are built
     code = _serve_until_stopped(front, served, stop, opts.keep_serving_unhealthy)
     log.info("stopping: %d request(s) in flight, draining for up to %.1f s", front.inflight, opts.drain_timeout_s)
     _cleanup(None, front, private_dir, opts.drain_timeout_s)

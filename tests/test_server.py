@@ -532,6 +532,26 @@ def test_a_deadline_racing_a_completion_answers_once(inline_server):
     assert wait_until(lambda: inline_server.inflight == 0, 5)
 
 
+@pytest.mark.timeout(120)
+def test_answered_requests_with_a_long_timeout_are_not_kept_until_it(inline_server):
+    """Memory grows with the requests in flight, not with those answered within their timeout:
+    1,200 requests with a 60 s deadline, answered one at a time and 200 at once, leave no more
+    than the server's slack of answered requests alive."""
+    import gc
+
+    from runtime.serving.requests import Request
+
+    with Client(inline_server.address) as client:
+        for i in range(1000):
+            assert client.call({"i": i}, timeout=60) == {"i": i}
+        futures = [client.submit({"j": j}, timeout=60) for j in range(200)]
+        assert [f.result(30) for f in futures] == [{"j": j} for j in range(200)]
+    assert wait_until(lambda: inline_server.inflight == 0, 5)
+    gc.collect()
+    alive = sum(1 for obj in gc.get_objects() if type(obj) is Request)
+    assert alive <= 100, f"{alive} answered requests are still held"
+
+
 @pytest.mark.timeout(60)
 def test_a_request_running_in_a_server_thread_still_gets_its_deadline_and_cannot_be_cancelled(inline_server):
     """The standby thread takes the loop from a thread running a long request: that request's

@@ -44,6 +44,8 @@ from runtime.serving.shm import ClientShm
 #: results at least this large go into the client's result arena when it asked for shm
 RESULT_SHM_THRESHOLD = 64 * 1024
 MAX_MESSAGE_CHARS = 2000
+#: answered requests the deadline heap may hold beyond twice those in flight, before it drops them
+_DEADLINES_SLACK = 64
 #: the fields each op may carry besides HEADER_FIELDS; anything else is refused
 OP_FIELDS = {
     "submit": frozenset({"payload", "timeout_s", "shm_results", "release"}),
@@ -168,6 +170,13 @@ class InFlight:
     ``lock``: the I/O thread adds requests and answers deadlines, while the thread
     that completes a request's future claims its reply (``claim_reply``) and sends
     it at once. The deadline heap is the I/O thread's alone.
+
+    An answered request's heap entry is not removed at once (a heap cannot drop an entry
+    from its middle): ``add`` drops every answered one when the heap holds more than
+    twice the requests in flight, so what the heap keeps alive grows with the requests in
+    flight, not with those answered within a timeout (before, a server answering 8
+    client processes, each request with a 60 s timeout, held 26,644 answered requests
+    after 14 s, and the collector's full passes over them took about 120 ms each).
     """
 
     def __init__(self) -> None:
@@ -190,7 +199,10 @@ class InFlight:
         """``req`` was taken by the engine; its future is set (I/O thread)."""
         if req.timeout_s is not None:
             req.deadline = time.monotonic() + req.timeout_s
-            heapq.heappush(self._deadlines, (req.deadline, next(self._seq), req))
+            deadlines = self._deadlines
+            if len(deadlines) > 2 * len(self._requests) + _DEADLINES_SLACK:
+                self._deadlines = deadlines = _pending_only(deadlines)
+            heapq.heappush(deadlines, (req.deadline, next(self._seq), req))
         with self.lock:
             self._requests[req.key] = req
             if req.client is not None:
@@ -247,6 +259,13 @@ class InFlight:
     def _drop(self, req: Request) -> None:
         if self._requests.pop(req.key, None) is not None and req.client is not None:
             req.client.requests -= 1
+
+
+def _pending_only(deadlines: list[tuple[float, int, Request]]) -> list[tuple[float, int, Request]]:
+    """The deadline heap without the requests answered already (``expired`` would skip them)."""
+    kept = [entry for entry in deadlines if not entry[2].replied]
+    heapq.heapify(kept)
+    return kept
 
 
 def clip(text: str) -> str:
