@@ -23,7 +23,7 @@ from runtime.client.errors import InvalidRequestError
 from runtime.client.headers import HEARTBEAT, control_header, submit_header
 from runtime.client.replies import Pending, Replies, complete
 from runtime.serving.handlers import MessageHandler
-from runtime.transport.protocol import PayloadEncoder, pack_header
+from runtime.transport.protocol import PROTOCOL_VERSION, PayloadEncoder, pack_header, submit_reply
 
 DOC = Path(__file__).resolve().parents[1] / "PROTOCOL.md"
 OBS = np.array([[0.0, 0.5, 1.0, -2.0]], dtype=np.float32)
@@ -95,8 +95,9 @@ def server():
     """A MessageHandler over StandInEngine; ``sent`` gets (identity, header bytes, frames) of each reply."""
     sent: list[tuple[bytes, bytes, list[bytes]]] = []
 
-    def send(identity: bytes, header: dict, frames: Any = ()) -> bool:
-        sent.append((identity, pack_header(header), [bytes(memoryview(f)) for f in frames]))
+    def send(identity: bytes, header: dict | bytes, frames: Any = ()) -> bool:
+        packed = header if isinstance(header, bytes) else pack_header(header)  # bytes: protocol.submit_reply
+        sent.append((identity, packed, [bytes(memoryview(f)) for f in frames]))
         return True
 
     engine = StandInEngine()
@@ -146,3 +147,12 @@ def test_the_client_reads_the_pages_replies():
     assert result["actions"].dtype == np.int64 and np.array_equal(result["actions"], RESULT["actions"])
     with pytest.raises(InvalidRequestError, match="^bad$"):
         _client_reads(GOLDEN["error-reply"]).result(0)
+
+
+@pytest.mark.parametrize("request_id", [0, 7, 2**40, "job-1", "x" * 40])
+def test_a_submit_reply_spliced_from_constant_parts_is_the_header_packed(request_id):
+    """``submit_reply`` (the server's fast path for a successful submit) makes the bytes that
+    ``pack_header`` makes of the same header."""
+    result = PayloadEncoder(copy=False).pack({"actions": [1.5, -2], "note": "ok"}, "result")
+    assert submit_reply(request_id, result) == pack_header(
+        {"v": PROTOCOL_VERSION, "op": "submit", "id": request_id, "ok": True, "result": result})

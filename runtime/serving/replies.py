@@ -31,9 +31,10 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from runtime.serving.requests import InFlight, Outcome, Request, outcome_of, outcome_of_result
-from runtime.transport.protocol import PROTOCOL_VERSION
+from runtime.transport.protocol import PROTOCOL_VERSION, submit_reply
 
 #: ``send(identity, header, frames=()) -> bool``: False when the reply could not be sent
+#: ``ServerSocket.send``: (identity, header dict or its packed bytes, frames) -> sent
 Send = Callable[..., bool]
 
 
@@ -105,8 +106,7 @@ class Replies:
                                              "result": outcome.result, "seq": req.seq, "final": True},
                               outcome.frames)
         else:
-            sent = self._send(req.identity, {"v": PROTOCOL_VERSION, "op": "submit", "id": req.id, "ok": True,
-                                             "result": outcome.result}, outcome.frames)
+            sent = self._send(req.identity, submit_reply(req.id, outcome.result), outcome.frames)
         if not sent and outcome.blocks:
             req.client.release(outcome.blocks, mapped=False)
 

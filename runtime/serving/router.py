@@ -124,9 +124,10 @@ class ServerSocket:
 
     # -- any thread -----------------------------------------------------------------------
 
-    def send(self, identity: bytes, header: dict[str, Any], frames: Any = ()) -> bool:
-        """Send without ever blocking; False if the peer is gone or does not read its replies."""
-        data = pack_header(header)
+    def send(self, identity: bytes, header: dict[str, Any] | bytes, frames: Any = ()) -> bool:
+        """Send without ever blocking; False if the peer is gone or does not read its replies.
+        ``header``: a dict, or its bytes already packed (``protocol.submit_reply``)."""
+        data = header if type(header) is bytes else pack_header(header)
         sent = waiting = False
         with self._lock:
             if not self._open:

@@ -210,6 +210,18 @@ class Packed:
 _PACKED_FIELDS = {key: msgpack.packb(key) for key in ("payload", "result")}
 
 
+#: a submit's successful reply up to its id, and what comes between the id and the result
+#: (``submit_reply``): the bytes ``pack_header`` makes of the same header
+_SUBMIT_REPLY_HEAD = b"\x85" + b"".join(map(msgpack.packb, ("v", PROTOCOL_VERSION, "op", "submit", "id")))
+_SUBMIT_REPLY_RESULT = b"".join(map(msgpack.packb, ("ok", True, "result")))
+
+
+def submit_reply(request_id: Any, result: Packed) -> bytes:
+    """``pack_header`` of a submit's successful reply, ``{"v", "op": "submit", "id", "ok": True,
+    "result"}``, spliced from constant parts: the same bytes without building the header."""
+    return b"".join((_SUBMIT_REPLY_HEAD, msgpack.packb(request_id), _SUBMIT_REPLY_RESULT, result.data))
+
+
 def pack_header(header: dict[str, Any]) -> bytes:
     """msgpack bytes of a header; a ``Packed`` payload or result is spliced in as it is."""
     for key, packed_key in _PACKED_FIELDS.items():
