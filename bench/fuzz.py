@@ -273,8 +273,8 @@ class ServerHandle:
         self.identity = b"fuzz-peer"
         self.ctx = ctx
 
-    def _capture(self, identity: bytes, header: dict, frames: Any = ()) -> bool:
-        self.replies.append(header)
+    def _capture(self, identity: bytes, header: dict | bytes, frames: Any = ()) -> bool:
+        self.replies.append(reply_fields(header))
         return True
 
     def feed(self, frames: list[bytes]) -> bool:
@@ -303,6 +303,12 @@ class ServerHandle:
         finally:
             self.server.close()
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def reply_fields(header: dict | bytes) -> dict:
+    """A reply as the server's send was handed it: a header dict, or its packed bytes (a
+    successful submit's, ``protocol.submit_reply``), decoded as a client would."""
+    return header if isinstance(header, dict) else protocol.unpack_header(header, 1 << 30)
 
 
 class BadReply(Exception):

@@ -38,7 +38,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench.fuzz import (DTYPES, EDGE_INTS, BadReply, FuzzContext, Inputs, ServerHandle, check_reply, decode_client,
-                        decode_server, decode_supervisor, decode_worker, no_hang, run_target)
+                        decode_server, decode_supervisor, decode_worker, no_hang, reply_fields, run_target)
 from runtime.transport import protocol, wire
 from tests.conftest import wait_until
 
@@ -64,8 +64,8 @@ class CountingHandle(ServerHandle):
         self.sent: list[dict] = []
         super().__init__(ctx)
 
-    def _capture(self, identity: bytes, header: dict, frames: Any = ()) -> bool:
-        self.sent.append(header)
+    def _capture(self, identity: bytes, header: dict | bytes, frames: Any = ()) -> bool:
+        self.sent.append(reply_fields(header))
         return super()._capture(identity, header, frames)
 
 
