@@ -156,10 +156,17 @@ def test_offers_from_many_threads_never_exceed_max_inflight():
                     pass
 
     threads = [threading.Thread(target=offer) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    # switch threads often: with the default 5 ms a thread may offer and answer all of its 200
+    # in one slice, and the limit is then never reached (it happened once in CI: 1 in flight at most)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
     for future in client.pending():  # the last ones, left by the threads
         future.set_result(actions_for(np.zeros(OBS_DIM)))
     most = max(client.inflight_at_submit)

@@ -69,7 +69,6 @@ from typing import Any
 import msgpack
 import zmq
 
-from runtime.core.heap import freeze_startup_heap
 from runtime.core.plugins import Partial
 from runtime.transport import wire
 from runtime.transport.shm import ShmArena, ShmMapper
@@ -138,7 +137,6 @@ def main(bootstrap: bytes) -> None:
             ctl.send(wire.pack_message("startup_error", rank, **_error_fields(exc)))
             code = 1
             return
-        freeze_startup_heap()  # the plugin is built: what lives now lives until the rank ends
         ctl.send(wire.pack_message("ready", rank, segments=arena.segments))
         _serve(ctl, inbox, core, arena, mapper, boot)
     except BaseException:

@@ -1,8 +1,10 @@
-"""The garbage collector in processes phyrt owns: a served engine (``runtime.launch``) and each rank.
+"""The garbage collector in the one process phyrt owns and serves from: ``runtime.launch``.
 
 Standard library only. Never called by library code that runs in a user's process (an
 inline ``Engine``, a ``Server`` embedded by hand, a ``Client``): the collector is the
-process's, not ours to set there.
+process's, not ours to set there. Not in the ranks either: nothing measured a gain there,
+and frozen objects drop out of ``gc.get_objects()``, through which the test plugins reach
+a rank's sockets to break them on purpose.
 
 Such a process builds a large heap at start-up (torch alone is hundreds of thousands of
 objects) and then serves for hours, allocating a few short-lived containers per request.
