@@ -229,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         _cleanup(engine, front, private_dir, 0.0)
         return EXIT_START_FAILED
 
+    freeze_startup_heap()  # built: one full collection now, before the ready line, not under the first requests
     _print_ready(front, topology)
-    freeze_startup_heap()  # this process is ours: the engine and the server are built
     code = _serve_until_stopped(front, served, stop, opts.keep_serving_unhealthy)
     log.info("stopping: %d request(s) in flight, draining for up to %.1f s", front.inflight, opts.drain_timeout_s)
     _cleanup(None, front, private_dir, opts.drain_timeout_s)

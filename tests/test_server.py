@@ -380,7 +380,7 @@ def inline_server(tmp_path, monkeypatch):
     from runtime.serving.metrics import NullMetrics
     from runtime.serving.router import ServerSocket
     from runtime.serving.server import Server
-    from runtime.transport.protocol import unpack_header
+    from bench.fuzz import reply_fields
 
     # a message left unread would wait for the next housekeeping: make that wait unmissable
     monkeypatch.setattr(loop_module, "_HOUSEKEEPING_S", 30.0)
@@ -388,8 +388,7 @@ def inline_server(tmp_path, monkeypatch):
     send = ServerSocket.send
 
     def recording_send(self, identity, header, frames=()):
-        fields = header if isinstance(header, dict) else unpack_header(header, 1 << 30)  # a submit_reply's bytes
-        sent.append((threading.current_thread().name, dict(fields)))
+        sent.append((threading.current_thread().name, dict(reply_fields(header))))
         return send(self, identity, header, frames)
 
     monkeypatch.setattr(ServerSocket, "send", recording_send)

@@ -1,9 +1,10 @@
 """Rotary position embedding as Qwen3 uses it (rotate-half, default rope only).
 
 ``rope(positions [T], q [T, h, d], k [T, kv, d]) -> (q, k)``, both rotated by each
-token's own position; ``rotate_heads(table, x)`` rotates any [T, n, d] heads at once. The cos/sin table is computed once in float32 for
-``max_position`` positions (``pos * inv_freq``, exactly as transformers does) and
-cast to the query dtype when applied.
+token's own position; ``rotate_heads(table, x)`` rotates any [T, n, d] heads at once.
+The cos/sin table is computed once in float32 for ``max_position`` positions
+(``pos * inv_freq``, exactly as transformers does) and cast to the query dtype when
+applied.
 """
 
 from __future__ import annotations

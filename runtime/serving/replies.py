@@ -33,8 +33,8 @@ from typing import Any, Callable
 from runtime.serving.requests import InFlight, Outcome, Request, outcome_of, outcome_of_result
 from runtime.transport.protocol import PROTOCOL_VERSION, submit_reply
 
-#: ``send(identity, header, frames=()) -> bool``: False when the reply could not be sent
-#: ``ServerSocket.send``: (identity, header dict or its packed bytes, frames) -> sent
+#: ``ServerSocket.send(identity, header, frames=()) -> bool``: ``header`` a dict or its packed bytes
+#: (``protocol.submit_reply``); False when the reply could not be sent
 Send = Callable[..., bool]
 
 
