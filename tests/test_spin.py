@@ -102,3 +102,38 @@ def test_a_spinner_without_a_budget_only_sleeps():
 
     spinner = Spinner(budget=0)
     assert spinner.wait(lambda: pytest.fail("no spin with no budget"), lambda: "slept") == "slept"
+
+
+def test_a_spin_that_failed_puts_spinning_off_for_twice_as_many_waits_each_time():
+    from runtime.transport.spin import Spinner
+
+    spinner = Spinner(budget=5_000_000)  # 5 ms: a wait that its poll answers at once ends well within it
+    spun = []
+
+    def wait(found_by_spin: bool) -> None:
+        looks: list[int] = []
+
+        def poll_now() -> list:
+            looks.append(1)
+            return ["spun"] if found_by_spin else []
+
+        spinner.wait(poll_now, lambda: ["slept"])  # the sleep returns at once: every wait is short
+        spun.append(bool(looks))
+
+    for _ in range(3):
+        wait(found_by_spin=True)
+    assert spun == [True] * 3  # a lone caller with a quick peer spins every time
+    spun.clear()
+    for _ in range(1 + 1 + 1 + 2 + 1 + 4 + 1):  # every spin fails: off for 1, then 2, then 4 waits
+        wait(found_by_spin=False)
+    assert spun == [True, False, True, False, False, True, False, False, False, False, True]
+    spun.clear()
+    for _ in range(Spinner.MAX_SKIP * 3):  # the back-off stops doubling at MAX_SKIP
+        wait(found_by_spin=False)
+    assert spun.count(True) <= 3 + 4
+    while not spun[-1]:
+        wait(found_by_spin=True)  # waits out the back-off; the spin then finds the message ...
+    spun.clear()
+    for _ in range(3):
+        wait(found_by_spin=True)
+    assert spun == [True] * 3  # ... which ends the back-off

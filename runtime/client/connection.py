@@ -48,6 +48,7 @@ from runtime.core.errors import ProtocolError
 from runtime.transport.endpoints import load_key
 from runtime.transport.reader import ReaderRole
 from runtime.transport.spin import Spinner, budget_ns
+from runtime.transport.zmq_context import io_context
 
 log = logging.getLogger("phyrt.client")
 
@@ -69,7 +70,7 @@ class Connection:
         self.lock = threading.Lock()  # the socket
         self.outbox: collections.deque[tuple[int | None, list[Any]]] = collections.deque()  # (id or None, frames)
         self.polling = False  # the holder of the socket sleeps in poll (wake it to send)
-        self._ctx = zmq.Context(1)
+        self._ctx = io_context()
         self.sock = self._ctx.socket(zmq.DEALER)
         self.monitor: zmq.Socket | None = None
         self.monitor_lock = threading.Lock()

@@ -7,6 +7,9 @@ Leaf module: standard library only (the torch-free client imports it).
                                                          first polls without sleeping, in µs; 0 = off
     PHYRT_COPY_THREADS   2 where two cores are usable    threads that share a copy of 1 MiB or more
                                                          into shared memory; 1 = the caller alone
+    PHYRT_IO_BATCH       1 (Linux)                       1: the ZeroMQ I/O threads of clients and
+                                                         servers run as SCHED_BATCH threads; 0: as
+                                                         ordinary ones (``runtime.transport.zmq_context``)
 
 A side's default spin budget was measured on 2-core VMs (``runtime.transport.spin``):
 the server's I/O thread 400 µs, a client caller 300 µs, a local rank 300 µs, an engine
@@ -23,8 +26,9 @@ import os
 
 SPIN_US = "PHYRT_SPIN_US"
 COPY_THREADS = "PHYRT_COPY_THREADS"
+IO_BATCH = "PHYRT_IO_BATCH"
 #: every variable above, for the README's table and for tests
-KNOBS = (SPIN_US, COPY_THREADS)
+KNOBS = (SPIN_US, COPY_THREADS, IO_BATCH)
 
 
 def spin_us(default_us: float) -> float:
@@ -53,3 +57,13 @@ def copy_threads() -> int | None:
     if value < 1:
         raise ValueError(f"{COPY_THREADS} must be a whole number of threads >= 1, got {raw!r}")
     return value
+
+
+def io_batch() -> bool:
+    """``$PHYRT_IO_BATCH`` ("0" or "1") if set, else True."""
+    raw = os.environ.get(IO_BATCH)
+    if raw is None:
+        return True
+    if raw not in ("0", "1"):
+        raise ValueError(f"{IO_BATCH} must be 0 or 1, got {raw!r}")
+    return raw == "1"

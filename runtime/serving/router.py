@@ -33,6 +33,7 @@ import zmq
 from runtime.transport.endpoints import CurveKeys
 from runtime.transport.protocol import pack_header
 from runtime.transport.wake_pipe import WakePipe
+from runtime.transport.zmq_context import io_context
 
 log = logging.getLogger("phyrt.server")
 
@@ -52,7 +53,7 @@ class ServerSocket:
         self._looping_here = looping_here
         self._ipc = address.startswith("ipc://")
         self._lock = threading.Lock()
-        self._ctx = zmq.Context(1)
+        self._ctx = io_context()
         self._auth: Any = None
         self._router: Any = None
         self._open = False

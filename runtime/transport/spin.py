@@ -16,11 +16,10 @@ Budgets per side (``BUDGETS_US``, measured on 2-core VMs): the server's looping 
 thread 400 µs; a client caller 300 µs; a local rank after each answer 300 µs (~10 %
 less time for back-to-back small requests to a 1-rank replica, an A/B of 0 against
 300 µs); an engine caller reading its ranks' answers 100 µs (300 measured no better).
-A ``Spinner`` spins only while its last wait ended within the budget: under load the answer
-takes longer than any budget (8 client processes on 2 cores: about 1.5 ms), and such clients
-spun before 2 to 4 % of their waits. (A second rule, giving a spin up once a yield took long,
-was tried and dropped: on these VMs neither throughput nor a lone caller's latency moved
-beyond the noise, so the simpler rule stays.)
+A ``Spinner`` spins only while spinning pays (its docstring has the two rules): under load
+the answer takes longer than any budget (8 client processes on 2 cores: about 1 ms), and
+each spin is CPU the other side needs. (A rule that gave a spin up once a yield took long
+was tried and dropped: neither throughput nor a lone caller's latency moved beyond the noise.)
 
 ``PHYRT_SPIN_US`` (``runtime.core.env``) sets one budget for every side; the budget
 is 0 on a single usable core, where spinning only delays the other side. The rank and
@@ -61,18 +60,30 @@ def spin(poll_now: Callable[[], Any], budget: int) -> Any:
 
 
 class Spinner:
-    """Spins before a sleep only while spinning has been paying: when the last wait ended within
-    the budget. Under load (many clients on few cores) a message takes longer than any budget
-    to come: every spin would burn a core that the other side needs, so nobody spins; a lone
-    caller with a quick peer keeps spinning. The wait measured is the whole of it, spin and
-    sleep, so a caller that stopped spinning starts again once its waits are short again.
-    One per waiting thread (not thread-safe, by design: a wrong guess costs one spin)."""
+    """Spins before a sleep only while spinning has been paying. Under load (many clients on few
+    cores) a message takes longer than any budget to come, and each spin burns CPU (and the
+    switches of its yields) that the other side needs; a lone caller with a quick peer finds its
+    message within the budget every time. Two rules:
 
-    __slots__ = ("budget", "_spin")
+    - it spins only after a wait (spin and sleep) that ended within the budget;
+    - a spin that did not find the message within the budget puts spinning off for the next
+      1, 2, 4, ... ``MAX_SKIP`` waits (doubling while spins keep failing); one that found it in
+      time ends the back-off.
+
+    So a loaded caller spins before at most one wait in ``MAX_SKIP`` (8 client processes on
+    2 cores, without the back-off: one in 20, ~300 µs of CPU each), and a lone caller whose
+    peer got quick again spins within ``MAX_SKIP`` waits. One per waiting thread (not
+    thread-safe, by design: a wrong guess costs one spin)."""
+
+    __slots__ = ("budget", "_spin", "_skip", "_backoff")
+
+    #: the longest back-off, in waits
+    MAX_SKIP = 64
 
     def __init__(self, budget: int) -> None:
         self.budget = budget  # ns
         self._spin = budget > 0
+        self._skip = self._backoff = 0
 
     def wait(self, poll_now: Callable[[], Any], sleep: Callable[..., Any], *args: Any, budget: int | None = None) -> Any:
         """``spin(poll_now, budget or self.budget)`` if spinning pays, then ``sleep(*args)`` unless
@@ -80,7 +91,16 @@ class Spinner:
         if not self.budget:
             return sleep(*args)
         start = time.perf_counter_ns()
-        found = spin(poll_now, self.budget if budget is None else budget) if self._spin else None
+        found = None
+        if self._skip:
+            self._skip -= 1
+        elif self._spin:
+            found = spin(poll_now, self.budget if budget is None else budget)
+            if found and time.perf_counter_ns() - start <= self.budget:
+                self._backoff = 0
+            else:
+                self._backoff = min(2 * self._backoff or 1, self.MAX_SKIP)
+                self._skip = self._backoff
         if not found:
             found = sleep(*args)
         self._spin = time.perf_counter_ns() - start <= self.budget

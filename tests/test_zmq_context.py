@@ -1,0 +1,92 @@
+"""runtime.transport.zmq_context: clients' and servers' ZeroMQ I/O threads run as SCHED_BATCH threads on Linux."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+import time
+
+import pytest
+
+from runtime.transport import zmq_context
+
+pytestmark = pytest.mark.timeout(60)
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_BATCH is Linux's")
+
+
+def _io_thread_policies() -> dict[str, int]:
+    """The scheduling policy of each ZeroMQ thread of this process, by thread id."""
+    found = {}
+    for task in pathlib.Path(f"/proc/{os.getpid()}/task").iterdir():
+        try:
+            if (task / "comm").read_text().startswith("ZMQbg/IO"):
+                found[task.name] = os.sched_getscheduler(int(task.name))
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # a thread that ended meanwhile
+    return found
+
+
+def _wait_for_io_thread(before: dict[str, int]) -> dict[str, int]:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        new = {tid: policy for tid, policy in _io_thread_policies().items() if tid not in before}
+        if new:
+            return new
+        time.sleep(0.01)
+    raise AssertionError("no new ZeroMQ I/O thread started")
+
+
+@linux_only
+def test_a_client_and_a_server_io_thread_are_batch_threads(monkeypatch, tmp_path):
+    from runtime.client.connection import Connection  # noqa: F401  (the client's module uses io_context)
+    from runtime.serving.router import ServerSocket
+
+    monkeypatch.delenv("PHYRT_IO_BATCH", raising=False)
+    assert zmq_context.batch_usable()
+    before = _io_thread_policies()
+    server = ServerSocket(f"ipc://{tmp_path}/s.sock", 1 << 20, None, lambda: True)
+    try:
+        assert set(_wait_for_io_thread(before).values()) == {os.SCHED_BATCH}
+    finally:
+        server.close(0)
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the probe changed its own thread, not this one
+
+
+@linux_only
+def test_phyrt_io_batch_0_keeps_ordinary_io_threads(monkeypatch):
+    monkeypatch.setenv("PHYRT_IO_BATCH", "0")
+    before = _io_thread_policies()
+    ctx = zmq_context.io_context()
+    sock = ctx.socket(zmq_context.zmq.DEALER)  # the I/O thread starts with the first socket
+    try:
+        assert set(_wait_for_io_thread(before).values()) == {os.SCHED_OTHER}
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def test_a_bad_phyrt_io_batch_is_refused(monkeypatch):
+    monkeypatch.setenv("PHYRT_IO_BATCH", "yes")
+    with pytest.raises(ValueError, match="PHYRT_IO_BATCH must be 0 or 1, got 'yes'"):
+        zmq_context.io_context()
+
+
+def test_no_batch_policy_where_the_kernel_refuses_it(monkeypatch):
+    """A kernel (or sandbox) that refuses the policy gets an ordinary context, not an aborted process."""
+    def refuse(*args):
+        raise PermissionError("not here")
+
+    monkeypatch.setattr(zmq_context, "_usable", None)
+    monkeypatch.setattr(zmq_context.os, "sched_setscheduler", refuse, raising=False)
+    assert zmq_context.batch_usable() is False
+    before = _io_thread_policies() if sys.platform.startswith("linux") else {}
+    ctx = zmq_context.io_context()
+    sock = ctx.socket(zmq_context.zmq.DEALER)
+    try:
+        if sys.platform.startswith("linux"):
+            assert set(_wait_for_io_thread(before).values()) == {os.SCHED_OTHER}
+    finally:
+        sock.close(0)
+        ctx.term()
