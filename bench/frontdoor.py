@@ -20,7 +20,12 @@ import math
 import os
 import shutil
 
+from typing import Any
+
 from bench.common import RunContext, Section, Table, Target, fmt_ms, fmt_us, free_port, p50, p99, ratio
+
+#: rounds of the throughput loads (the targets take the median of each round's ratios)
+LOAD_ROUNDS = 3
 
 
 def run(ctx: RunContext) -> Section:
@@ -34,7 +39,7 @@ def run(ctx: RunContext) -> Section:
     iters = 1000 if ctx.quick else 10000
     warmup = max(50, iters // 10)
     n_image = 20 if ctx.quick else 100
-    load_s = 1.0 if ctx.quick else 5.0
+    load_s = 1.0 if ctx.quick else 4.0
     mp = ctx.mp()
     logdir = os.path.join(ctx.workdir, "serving-logs")
     os.makedirs(logdir, exist_ok=True)
@@ -91,15 +96,13 @@ def run(ctx: RunContext) -> Section:
         ctx.progress(f"serving: {math.prod(sv.IMAGE_SHAPE) / 2**20:.1f} MiB image, {n_image} round trips per "
                      f"phyrt path, {n_image // 2} for pickle and websocket")
         image = sv.measure_image(image_paths, lambda m: ctx.progress(f"serving: {m}"))
+        paths = (("floor", floor.label, floor_address, {procs[0].pid}), ("phyrt", shm.label, ipc.address, ipc.pids()))
+        loads = _interleaved_loads(ctx, mp, paths, load_s)
         load_rows = []  # (label, clients, requests/s, latencies, client CPU µs/request, server CPU µs/request)
-        counts = sv.LOAD_CLIENTS[1:] if ctx.quick else sv.LOAD_CLIENTS
-        for kind, label, address, server_pids in (("floor", floor.label, floor_address, {procs[0].pid}),
-                                                  ("phyrt", shm.label, ipc.address, ipc.pids())):
-            for clients in counts:
-                ctx.progress(f"serving: throughput, {label}, {clients} client process(es), {load_s:g} s")
-                load = sv.measure_load(mp, kind, address, clients, load_s, ctx.pids, server_pids)
-                load_rows.append((label, f"{clients} process{'es' if clients > 1 else ''}", load.rate,
-                                  list(load.latencies), load.client_us, load.server_us))
+        for (label, clients), runs in loads.items():
+            load_rows.append((label, f"{clients} process{'es' if clients > 1 else ''}", p50([r.rate for r in runs]),
+                              [x for r in runs for x in r.latencies], p50([r.client_us for r in runs]),
+                              p50([r.server_us for r in runs])))
         ctx.progress(f"serving: throughput, phyrt, 1 client here, one at a time then {sv.PIPELINE_DEPTH} in "
                      f"flight, {load_s:g} s each")
         one_rate = sv.measure_one_at_a_time(shm.client, load_s)
@@ -157,8 +160,31 @@ def run(ctx: RunContext) -> Section:
         Target(f"{image_mib:.0f} MiB same-host image ≥ {sv.TARGET_IMAGE_SPEEDUP:g}× faster than pickle over ZMQ",
                f"{speedup:.1f}× ({fmt_ms(pickle_p50)} ms / {fmt_ms(p50(image[shm.label]))} ms)",
                speedup >= sv.TARGET_IMAGE_SPEEDUP),
-    ] + _throughput_targets(load_rows, floor.label, shm.label)
+    ] + _throughput_targets(load_rows, loads, floor.label, shm.label)
     return section
+
+
+def _interleaved_loads(ctx: RunContext, mp: Any, paths: tuple, load_s: float) -> dict[tuple[str, int], list]:
+    """Closed-loop loads of every path at every client count, in ``LOAD_ROUNDS`` rounds (1 with
+    --quick); within a round the paths take turns at each count, so that the floor and phyrt
+    run minutes apart at most, not a whole section apart (this machine's speed drifts by 2x
+    over minutes). The 1-process loads run in the first round only. ``bench.serving.Load``s
+    by (label, clients), in the order they ran."""
+    from bench import serving as sv
+
+    counts = sv.LOAD_CLIENTS[1:] if ctx.quick else sv.LOAD_CLIENTS
+    rounds = 1 if ctx.quick else LOAD_ROUNDS
+    loads: dict[tuple[str, int], list] = {}
+    for r in range(rounds):
+        for clients in counts:
+            if clients == 1 and r > 0:
+                continue
+            for kind, label, address, server_pids in paths:
+                ctx.progress(f"serving: throughput, round {r + 1}/{rounds}, {label}, {clients} client process(es), "
+                             f"{load_s:g} s")
+                load = sv.measure_load(mp, kind, address, clients, load_s, ctx.pids, server_pids)
+                loads.setdefault((label, clients), []).append(load)
+    return loads
 
 
 def _us_or_blank(us: float | None) -> str:
@@ -177,32 +203,40 @@ def _throughput_table(load_rows: list, quick: bool, load_s: float) -> Table:
         [("--quick: no 1-process rows. " if quick else "") +
          f"Closed loops of the small request for {load_s:g} s in N spawned client processes (each its own client "
          "and socket, started together after 50 warm-up calls each): requests/s = all completed / the longest "
-         "loop; latency percentiles over all their calls. CPU per request: the user + system CPU time the "
+         f"loop. {LOAD_ROUNDS} rounds (--quick: 1); in each, the floor and phyrt take turns at 8 processes, then at "
+         "24 (the 1-process loads run in the first round only); requests/s and CPU per request are medians over "
+         "the rounds, latency percentiles over all their calls, and each target's ratio the median of the "
+         "rounds' ratios. CPU per request: the user + system CPU time the "
          "client processes (all their threads) and the server's processes used during the loops, divided by the "
          "requests completed; on 2 cores their sum bounds the rate. The last two rows: one client in this "
          f"process, first calling one request at a time, then keeping {sv.PIPELINE_DEPTH} `submit` futures in "
          "flight, each for the same time."])
 
 
-def _throughput_targets(load_rows: list, floor_label: str, phyrt_label: str) -> list[Target]:
+def _throughput_targets(load_rows: list, loads: dict, floor_label: str, phyrt_label: str) -> list[Target]:
+    """The targets of issue 15; the load ratios are medians of each round's ratio (``_interleaved_loads``)."""
     from bench import serving as sv
 
     rate = {(label, clients): r for label, clients, r, *_ in load_rows}
-    floor8, phyrt8, phyrt24 = (rate.get((floor_label, "8 processes")), rate.get((phyrt_label, "8 processes")),
-                               rate.get((phyrt_label, "24 processes")))
     one, piped = rate[(phyrt_label, "1 here, one at a time (`call`)")], rate[
         (phyrt_label, f"1 here, {sv.PIPELINE_DEPTH} in flight (`submit`)")]
     targets = [Target(f"{sv.PIPELINE_DEPTH} `submit`s in flight ≥ {sv.TARGET_PIPELINED:g}× one at a time, one client",
                       f"{piped / one:.2f}× ({piped:,.0f} / {one:,.0f} requests/s)",
                       piped / one >= sv.TARGET_PIPELINED)]
+    floor8, phyrt8, phyrt24 = (loads.get((floor_label, 8)), loads.get((phyrt_label, 8)), loads.get((phyrt_label, 24)))
     if floor8 and phyrt8:
+        ratios = [p.rate / f.rate for p, f in zip(phyrt8, floor8)]
         targets.insert(0, Target(
             f"8 client processes ≥ {sv.TARGET_LOAD_VS_FLOOR:g}× the bare ZMQ echo's requests/s with 8",
-            f"{phyrt8 / floor8:.2f}× ({phyrt8:,.0f} / {floor8:,.0f} requests/s)",
-            phyrt8 / floor8 >= sv.TARGET_LOAD_VS_FLOOR))
+            f"{p50(ratios):.2f}× (median of {_each(ratios)}, each round's phyrt / floor)",
+            p50(ratios) >= sv.TARGET_LOAD_VS_FLOOR))
     if phyrt8 and phyrt24:
+        ratios = [b.rate / a.rate for a, b in zip(phyrt8, phyrt24)]
         targets.insert(1, Target(
             f"24 client processes hold ≥ {sv.TARGET_24_VS_8:g}× the requests/s of 8",
-            f"{phyrt24 / phyrt8:.2f}× ({phyrt24:,.0f} / {phyrt8:,.0f} requests/s)", phyrt24 / phyrt8 >= sv.TARGET_24_VS_8))
+            f"{p50(ratios):.2f}× (median of {_each(ratios)}, each round's 24 / 8)", p50(ratios) >= sv.TARGET_24_VS_8))
     return targets
 
+
+def _each(ratios: list[float]) -> str:
+    return ", ".join(f"{r:.2f}×" for r in ratios)
