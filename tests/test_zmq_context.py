@@ -1,4 +1,5 @@
-"""runtime.transport.zmq_context: clients' and servers' ZeroMQ I/O threads run as SCHED_BATCH threads on Linux."""
+"""runtime.transport.zmq_context: with PHYRT_IO_BATCH=1, clients' and servers' ZeroMQ I/O threads run as
+SCHED_BATCH threads on Linux; by default as ordinary threads."""
 
 from __future__ import annotations
 
@@ -39,11 +40,10 @@ def _wait_for_io_thread(before: dict[str, int]) -> dict[str, int]:
 
 
 @linux_only
-def test_a_client_and_a_server_io_thread_are_batch_threads(monkeypatch, tmp_path):
-    from runtime.client.connection import Connection  # noqa: F401  (the client's module uses io_context)
+def test_with_phyrt_io_batch_1_a_server_io_thread_is_a_batch_thread(monkeypatch, tmp_path):
     from runtime.serving.router import ServerSocket
 
-    monkeypatch.delenv("PHYRT_IO_BATCH", raising=False)
+    monkeypatch.setenv("PHYRT_IO_BATCH", "1")
     assert zmq_context.batch_usable()
     before = _io_thread_policies()
     server = ServerSocket(f"ipc://{tmp_path}/s.sock", 1 << 20, None, lambda: True)
@@ -55,16 +55,20 @@ def test_a_client_and_a_server_io_thread_are_batch_threads(monkeypatch, tmp_path
 
 
 @linux_only
-def test_phyrt_io_batch_0_keeps_ordinary_io_threads(monkeypatch):
-    monkeypatch.setenv("PHYRT_IO_BATCH", "0")
+@pytest.mark.parametrize("value", [None, "0"])
+def test_by_default_or_with_phyrt_io_batch_0_a_client_io_thread_is_ordinary(monkeypatch, tmp_path, value):
+    from runtime.client import Client
+
+    if value is None:
+        monkeypatch.delenv("PHYRT_IO_BATCH", raising=False)
+    else:
+        monkeypatch.setenv("PHYRT_IO_BATCH", value)
     before = _io_thread_policies()
-    ctx = zmq_context.io_context()
-    sock = ctx.socket(zmq_context.zmq.DEALER)  # the I/O thread starts with the first socket
+    client = Client(f"ipc://{tmp_path}/nobody.sock")  # its socket connects (and its I/O thread starts) at once
     try:
         assert set(_wait_for_io_thread(before).values()) == {os.SCHED_OTHER}
     finally:
-        sock.close(0)
-        ctx.term()
+        client.close()
 
 
 def test_a_bad_phyrt_io_batch_is_refused(monkeypatch):
@@ -78,6 +82,7 @@ def test_no_batch_policy_where_the_kernel_refuses_it(monkeypatch):
     def refuse(*args):
         raise PermissionError("not here")
 
+    monkeypatch.setenv("PHYRT_IO_BATCH", "1")
     monkeypatch.setattr(zmq_context, "_usable", None)
     monkeypatch.setattr(zmq_context.os, "sched_setscheduler", refuse, raising=False)
     assert zmq_context.batch_usable() is False

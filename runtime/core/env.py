@@ -7,9 +7,10 @@ Leaf module: standard library only (the torch-free client imports it).
                                                          first polls without sleeping, in µs; 0 = off
     PHYRT_COPY_THREADS   2 where two cores are usable    threads that share a copy of 1 MiB or more
                                                          into shared memory; 1 = the caller alone
-    PHYRT_IO_BATCH       1 (Linux)                       1: the ZeroMQ I/O threads of clients and
-                                                         servers run as SCHED_BATCH threads; 0: as
-                                                         ordinary ones (``runtime.transport.zmq_context``)
+    PHYRT_IO_BATCH       0                               1 (Linux): the ZeroMQ I/O threads of clients
+                                                         and servers run as SCHED_BATCH threads, more
+                                                         requests/s from many clients, longer tails
+                                                         next to busy processes (``runtime.transport.zmq_context``)
 
 A side's default spin budget was measured on 2-core VMs (``runtime.transport.spin``):
 the server's I/O thread 400 µs, a client caller 300 µs, a local rank 300 µs, an engine
@@ -60,10 +61,10 @@ def copy_threads() -> int | None:
 
 
 def io_batch() -> bool:
-    """``$PHYRT_IO_BATCH`` ("0" or "1") if set, else True."""
+    """``$PHYRT_IO_BATCH`` ("0" or "1") if set, else False."""
     raw = os.environ.get(IO_BATCH)
     if raw is None:
-        return True
+        return False
     if raw not in ("0", "1"):
         raise ValueError(f"{IO_BATCH} must be 0 or 1, got {raw!r}")
     return raw == "1"
