@@ -26,6 +26,25 @@ def test_help_lists_the_options_and_sections():
         assert word in out.stdout
 
 
+def test_io_batch_bench_has_help_and_restores_the_variable(monkeypatch):
+    """``python -m bench.io_batch`` (run alone, not a section): its --help, and the setting it
+    switches for each side put back as it was."""
+    out = subprocess.run([sys.executable, "-m", "bench.io_batch", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--quick" in out.stdout and "PHYRT_IO_BATCH" in out.stdout
+    from bench.io_batch import io_batch
+
+    monkeypatch.delenv("PHYRT_IO_BATCH", raising=False)
+    with io_batch("1"):
+        assert os.environ["PHYRT_IO_BATCH"] == "1"
+    assert "PHYRT_IO_BATCH" not in os.environ
+    monkeypatch.setenv("PHYRT_IO_BATCH", "0")
+    with pytest.raises(RuntimeError), io_batch("1"):
+        raise RuntimeError("a load failed")
+    assert os.environ["PHYRT_IO_BATCH"] == "0"
+
+
 def test_only_picks_sections_in_run_order_and_rejects_unknown_names(capsys):
     from bench.__main__ import SECTIONS, parse_args
 
