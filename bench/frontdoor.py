@@ -19,7 +19,6 @@ import contextlib
 import math
 import os
 import shutil
-
 from typing import Any
 
 from bench.common import RunContext, Section, Table, Target, fmt_ms, fmt_us, free_port, p50, p99, ratio

@@ -32,6 +32,8 @@ import time
 from typing import Iterator
 
 from bench import serving as sv
+from bench.common import Progress, Table, leftovers
+from bench.report import table_lines
 from runtime.client import Client
 
 SETTINGS = ("0", "1")
@@ -53,7 +55,7 @@ def io_batch(value: str) -> Iterator[None]:
 
 
 def throughput(mp: object, servers: dict, rounds: int, load_s: float, pids: set[int],
-               progress: sv.Progress) -> list[list[str]]:
+               progress: Progress) -> list[list[str]]:
     """Rows: clients, requests/s and CPU per request of each setting (medians), and the ratio."""
     loads: dict[tuple[int, str], list[sv.Load]] = {}
     for r in range(rounds):
@@ -89,21 +91,17 @@ def latency(clients: dict[str, Client], blocks: int) -> dict[str, list[int]]:
 
 
 def latency_rows(label: str, samples: dict[str, list[int]]) -> list[list[str]]:
+    """p50, p90 and p99 (nearest rank) in µs of each setting's samples."""
     rows = []
     for value, s in samples.items():
         s = sorted(s)
-        pick = lambda q: f"{s[min(len(s) - 1, int(q * len(s)))] / 1e3:,.0f}"  # noqa: E731
-        rows.append([label, value, pick(0.5), pick(0.9), pick(0.99), str(len(s))])
+        rows.append([label, value] + [f"{s[min(len(s) - 1, int(q * len(s)))] / 1e3:,.0f}" for q in (0.5, 0.9, 0.99)]
+                    + [str(len(s))])
     return rows
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
-
-
 def run(args: argparse.Namespace, workdir: str, logdir: str, pids: set[int], stack: contextlib.ExitStack) -> str:
-    progress = sv.Progress()
+    progress = Progress()
     rounds, load_s, blocks = (1, 2.0, 4) if args.quick else (3, 4.0, 10)
     servers = {}
     for value in SETTINGS:
@@ -131,17 +129,18 @@ def run(args: argparse.Namespace, workdir: str, logdir: str, pids: set[int], sta
         for hog in hogs:
             hog.kill()
             hog.wait()
-    return "\n\n".join([
-        "# PHYRT_IO_BATCH: ZeroMQ I/O threads as SCHED_BATCH threads (1) against ordinary ones (0)",
+    tables = [
+        Table(f"Throughput, small requests ({rounds} rounds of {load_s:g} s loads, the settings taking turns)",
+              ["client processes", "PHYRT_IO_BATCH=0: requests/s (client / server CPU µs per request)",
+               "PHYRT_IO_BATCH=1: requests/s (client / server CPU µs per request)", "1 / 0 (median of the rounds')"],
+              load_rows),
+        Table("One caller alone, round trip µs", ["machine", "PHYRT_IO_BATCH", "p50", "p90", "p99", "n"], rows),
+    ]
+    return "\n".join([
+        "# PHYRT_IO_BATCH: ZeroMQ I/O threads as SCHED_BATCH threads (1) against ordinary ones (0)", "",
         f"`python -m bench.io_batch{' --quick' if args.quick else ''}`, {os.cpu_count()} cores, "
-        f"load average {', '.join(f'{x:.2f}' for x in os.getloadavg())} at the end.",
-        f"## Throughput, small requests ({rounds} rounds of {load_s:g} s loads, the settings taking turns)",
-        _table(["client processes", "PHYRT_IO_BATCH=0: requests/s (client / server CPU µs per request)",
-                "PHYRT_IO_BATCH=1: requests/s (client / server CPU µs per request)",
-                "1 / 0 (median of the rounds')"], load_rows),
-        "## One caller alone, round trip µs",
-        _table(["machine", "PHYRT_IO_BATCH", "p50", "p90", "p99", "n"], rows),
-    ])
+        f"load average {', '.join(f'{x:.2f}' for x in os.getloadavg())} at the end.", "",
+    ] + [line for table in tables for line in table_lines(table)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.ExitStack() as stack:
             report = run(args, workdir, logdir, pids, stack)
     finally:
-        left = sv.leftovers(workdir, pids)
+        left = leftovers(workdir, pids)
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(logdir, ignore_errors=True)
     print(report + "\n\n## Cleanup\n\n" + ("nothing left behind" if not left else "WARNING, left behind: "

@@ -26,7 +26,8 @@ def _numeric(rows: list[list[str]], column: int) -> bool:
     return bool(cells) and all(c == "-" or _NUMBER.match(c) for c in cells)
 
 
-def _table(table: Table) -> list[str]:
+def table_lines(table: Table) -> list[str]:
+    """``table`` as Markdown lines: its title, its method, the table (numeric columns right-aligned)."""
     lines = [f"#### {table.title}", ""]
     for i, paragraph in enumerate(table.method):
         lines += [f"_Method._ {paragraph}" if i == 0 else paragraph, ""]
@@ -91,7 +92,7 @@ def render(run: dict[str, Any], sections: list[Section]) -> str:
         for note in s.notes:
             lines += [f"> {note}", ""]
         for table in s.tables:
-            lines += _table(table)
+            lines += table_lines(table)
         if s.targets:
             lines += ["| target | measured | verdict |", "|---|---|---|"]
             lines += [f"| {t.name} | {t.figure} | {t.verdict} |" for t in s.targets]

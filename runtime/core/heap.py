@@ -9,11 +9,12 @@ a rank's sockets to break them on purpose.
 Such a process builds a large heap at start-up (torch alone is hundreds of thousands of
 objects) and then serves for hours, allocating a few short-lived containers per request.
 Every so often the collector's oldest generation walks that whole heap again, although
-nothing of it will ever be garbage. ``freeze_startup_heap()``, called before the ready line, collects once, then moves
-what survived to the permanent generation (``gc.freeze``), which collections skip. A
-server serving small requests to 8 client processes used 7 %, 6 % and 0 % less CPU per
-request in three interleaved A/B runs of 10 to 12 rounds (``bench.serving``'s load): a
-small gain, at the cost of two calls, in a process whose heap is ours to manage.
+nothing of it will ever be garbage. ``freeze_startup_heap()``, called before the ready
+line, collects once, then moves what survived to the permanent generation (``gc.freeze``),
+which collections skip. A server serving small requests to 8 client processes used 7 %,
+6 % and 0 % less CPU per request in three interleaved A/B runs of 10 to 12 rounds
+(``bench.serving``'s load): a small gain, at the cost of two calls, in a process whose heap
+is ours to manage.
 """
 
 from __future__ import annotations
