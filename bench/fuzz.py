@@ -307,7 +307,7 @@ class ServerHandle:
 
 def reply_fields(header: dict | bytes) -> dict:
     """A reply as the server's send was handed it: a header dict, or its packed bytes (a
-    successful submit's, ``protocol.submit_reply``), decoded as a client would."""
+    successful submit's, ``Outcome.result``), decoded as a client would."""
     return header if isinstance(header, dict) else protocol.unpack_header(header, 1 << 30)
 
 

@@ -598,26 +598,28 @@ def test_a_silent_server_fails_in_flight_requests_after_the_heartbeat_timeout(tm
 
 
 class _ReaderProbe:
-    """Wraps ``Connection.poll`` (called only by the thread that holds the socket to read it):
-    counts how many threads are in it at once, and which threads read."""
+    """Wraps ``Connection.poll`` and ``Connection.exchange`` (called only by the thread that holds
+    the socket to read it): counts how many threads are in them at once, and which threads read."""
 
     def __init__(self, client: Client) -> None:
         self._lock = threading.Lock()
         self.inside = self.most = 0
         self.readers: set[str] = set()
-        self._poll = client._conn.poll
-        client._conn.poll = self.poll
+        conn = client._conn
+        conn.poll, conn.exchange = self._wrap(conn.poll), self._wrap(conn.exchange)
 
-    def poll(self, *args, **kwargs):
-        with self._lock:
-            self.inside += 1
-            self.most = max(self.most, self.inside)
-            self.readers.add(threading.current_thread().name)
-        try:
-            return self._poll(*args, **kwargs)
-        finally:
+    def _wrap(self, method):
+        def probed(*args, **kwargs):
             with self._lock:
-                self.inside -= 1
+                self.inside += 1
+                self.most = max(self.most, self.inside)
+                self.readers.add(threading.current_thread().name)
+            try:
+                return method(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self.inside -= 1
+        return probed
 
 
 @pytest.mark.timeout(120)
@@ -822,7 +824,7 @@ def test_the_packing_fast_path_refuses_what_the_slow_path_refuses(payload, error
 def test_a_header_with_a_packed_payload_is_the_plain_header():
     import msgpack
 
-    from runtime.client.headers import submit_header as _submit_header
+    from runtime.client.headers import submit_message
     from runtime.transport.protocol import PayloadEncoder, pack_header
 
     payload = {"obs": [1.5, 2.5], "task": "t"}
@@ -840,7 +842,9 @@ def test_a_header_with_a_packed_payload_is_the_plain_header():
             plain["shm_results"] = True
         if release:
             plain["release"] = release
-        assert msgpack.unpackb(_submit_header(9, timeout, shm, packed.data, release)) == plain
+        message = submit_message(PayloadEncoder(copy=False), 9, timeout, shm, payload, release)
+        assert message == pack_header({**plain, "payload": packed})
+        assert msgpack.unpackb(message) == plain
 
 
 @pytest.mark.parametrize("raw, match", [

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from runtime.client.errors import InvalidRequestError
-from runtime.client.headers import HEARTBEAT, control_header, submit_header
+from runtime.client.headers import HEARTBEAT, control_header, submit_message
 from runtime.client.replies import Pending, Replies, complete
 from runtime.serving.handlers import MessageHandler
-from runtime.transport.protocol import PROTOCOL_VERSION, PayloadEncoder, pack_header, submit_reply
+from runtime.transport.protocol import PROTOCOL_VERSION, SUBMIT_REPLY_PREFIX, PayloadEncoder, pack_header
 
 DOC = Path(__file__).resolve().parents[1] / "PROTOCOL.md"
 OBS = np.array([[0.0, 0.5, 1.0, -2.0]], dtype=np.float32)
@@ -65,8 +65,9 @@ def test_the_clients_control_headers_are_the_pages_bytes():
 
 def test_the_clients_submit_is_the_pages_bytes():
     encoder = PayloadEncoder(copy=True)
+    assert [submit_message(encoder, 8, 2.5, False, {"obs": OBS}), *encoder.frames] == GOLDEN["submit-request"]
+    encoder = PayloadEncoder(copy=True)
     packed = encoder.pack({"obs": OBS})
-    assert [submit_header(8, 2.5, False, packed.data), *encoder.frames] == GOLDEN["submit-request"]
     # the one-step encoder of the other ops gives the same bytes
     assert pack_header({"v": 1, "op": "submit", "id": 8, "timeout_s": 2.5, "payload": packed}) == \
         GOLDEN["submit-request"][0]
@@ -96,7 +97,7 @@ def server():
     sent: list[tuple[bytes, bytes, list[bytes]]] = []
 
     def send(identity: bytes, header: dict | bytes, frames: Any = ()) -> bool:
-        packed = header if isinstance(header, bytes) else pack_header(header)  # bytes: protocol.submit_reply
+        packed = header if isinstance(header, bytes) else pack_header(header)  # bytes: a submit's packed reply
         sent.append((identity, packed, [bytes(memoryview(f)) for f in frames]))
         return True
 
@@ -150,9 +151,13 @@ def test_the_client_reads_the_pages_replies():
 
 
 @pytest.mark.parametrize("request_id", [0, 7, 2**40, "job-1", "x" * 40])
-def test_a_submit_reply_spliced_from_constant_parts_is_the_header_packed(request_id):
-    """``submit_reply`` (the server's fast path for a successful submit) makes the bytes that
-    ``pack_header`` makes of the same header."""
-    result = PayloadEncoder(copy=False).pack({"actions": [1.5, -2], "note": "ok"}, "result")
-    assert submit_reply(request_id, result) == pack_header(
-        {"v": PROTOCOL_VERSION, "op": "submit", "id": request_id, "ok": True, "result": result})
+def test_a_submit_reply_packed_in_one_go_is_the_header_packed(request_id):
+    """A successful submit's reply, packed with its result in one msgpack call (the server's
+    ``PayloadEncoder.pack_message``), is the bytes ``pack_header`` makes of the same header,
+    and starts as the client expects (``SUBMIT_REPLY_PREFIX``)."""
+    value = {"actions": [1.5, -2], "note": "ok"}
+    reply = PayloadEncoder(copy=False).pack_message(
+        {"v": PROTOCOL_VERSION, "op": "submit", "id": request_id, "ok": True, "result": value}, "result")
+    result = PayloadEncoder(copy=False).pack(value, "result")
+    assert reply == pack_header({"v": PROTOCOL_VERSION, "op": "submit", "id": request_id, "ok": True, "result": result})
+    assert reply.startswith(SUBMIT_REPLY_PREFIX)

@@ -456,8 +456,8 @@ def test_messages_read_with_a_slow_request_are_answered_while_it_runs(inline_ser
     (the engine runs one request at a time, in order)."""
     import zmq
 
-    from runtime.client.headers import control_header, submit_header
-    from runtime.transport.protocol import pack_header, unpack_header
+    from runtime.client.headers import control_header, submit_message
+    from runtime.transport.protocol import PayloadEncoder, unpack_header
 
     ctx = zmq.Context(1)
     sock = ctx.socket(zmq.DEALER)
@@ -467,8 +467,8 @@ def test_messages_read_with_a_slow_request_are_answered_while_it_runs(inline_ser
         for rounds in range(3):
             slow, fast = 3 * rounds, 3 * rounds + 1
             sent = time.monotonic()
-            sock.send(submit_header(slow, None, False, pack_header({"sleep": 1.5})), zmq.NOBLOCK)
-            sock.send(submit_header(fast, None, False, pack_header({"fast": rounds})), zmq.NOBLOCK)
+            sock.send(submit_message(PayloadEncoder(copy=False), slow, None, False, {"sleep": 1.5}), zmq.NOBLOCK)
+            sock.send(submit_message(PayloadEncoder(copy=False), fast, None, False, {"fast": rounds}), zmq.NOBLOCK)
             sock.send(control_header("ping", 3 * rounds + 2), zmq.NOBLOCK)
             answered = {}
             while len(answered) < 3:

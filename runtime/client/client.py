@@ -65,14 +65,15 @@ import numpy as np
 
 from runtime.client.connection import Connection
 from runtime.client.errors import ConnectionLostError, DeadlineExceededError
-from runtime.client.headers import control_header, register_header, submit_header
+from runtime.client.headers import control_header, submit_message
 from runtime.client.io_thread import IOThread
+from runtime.client.placement import Placement
 from runtime.client.replies import Pending, Replies
 from runtime.client.routing import RoutingClient
 from runtime.client.shm import ShmSession
 from runtime.client.streams import ClientStream
 from runtime.core.futures import Slot, resolve
-from runtime.transport.protocol import DEFAULT_SHM_THRESHOLD, PayloadEncoder
+from runtime.transport.protocol import DEFAULT_SHM_THRESHOLD
 from runtime.transport.reader import ReaderRole
 from runtime.transport.shm import sweep_stale
 from runtime.transport.wake_pipe import WakePipe
@@ -134,6 +135,7 @@ class Client:
             wake_io.close()
             raise
         self._read = self._conn.read_until  # bound once: call() allocates no more than it must
+        self._placement = Placement(self._replies, self._conn.outbox, shm_threshold)
         self._io = IOThread(self._conn, self._replies, self._role, wake_io, heartbeat_interval_s,
                             heartbeat_timeout_s)
         try:
@@ -161,15 +163,27 @@ class Client:
 
     def call(self, payload: Any, timeout: float | None = None) -> Any:
         """``submit(payload, timeout=timeout).result(timeout)``; raises DeadlineExceededError on time-out."""
-        future = self._submit(payload, timeout, slot=True)  # nobody else sees it: a Slot, not a Future
-        if self._role.wait(future, timeout, self._read) or future.done():
+        role = self._role
+        reads = role.holder is None and role.take()  # nobody reads: this thread sends and reads itself
+        try:
+            future, frames = self._prepare(payload, timeout, slot=True)  # nobody else sees it: a Slot
+            deadline = None if timeout is None else time.monotonic() + timeout
+            if reads:
+                self._conn.exchange(future.request_id, frames, future, deadline)
+            else:
+                self._conn.send(future.request_id, frames)
+        finally:
+            if reads:
+                role.leave()
+        if future.done() or role.wait(future, None if deadline is None else deadline - time.monotonic(),
+                                      self._read) or future.done():
             return future.result()
         if future.cancel():
-            self._cancel_in_flight(future.request_id)  # type: ignore[attr-defined]
+            self._cancel_in_flight(future.request_id)
         elif not future.cancelled():
             return future.result()
         raise DeadlineExceededError.for_request(f"no result within {timeout} s from {self.address}",
-                                                future.request_id) from None  # type: ignore[attr-defined]
+                                                future.request_id) from None
 
     def stream(self, payload: Any, timeout: float | None = None) -> ClientStream:
         """Send one request as a stream: an iterator of its chunks as the server's plugin makes
@@ -211,7 +225,7 @@ class Client:
                 if not self._replies.wants_shm():
                     break
                 self.ping()
-        lent = self._lend(nbytes) if nbytes >= self._shm_threshold else None
+        lent = self._placement.lend(nbytes) if nbytes >= self._shm_threshold else None
         if lent is None:
             return np.empty(dims, dtype)
         return np.frombuffer(lent, dtype=dtype, count=math.prod(dims)).reshape(dims)
@@ -265,38 +279,40 @@ class Client:
 
     # -- sending -----------------------------------------------------------------------
 
-    def _submit(self, payload: Any, timeout: float | None, stream: Any = None, slot: bool = False) -> Future:
-        """Encode and send a submit (a stream op with ``stream``, a ``StreamState``); its future
-        (with ``request_id``, for ``cancel``): a ``Slot`` with ``slot``, for a caller that waits
-        for it itself and hands it to nobody."""
+    def _submit(self, payload: Any, timeout: float | None, stream: Any = None) -> Future:
+        """Encode and send a submit (a stream op with ``stream``, a ``StreamState``); its future,
+        with ``request_id`` (for ``cancel``)."""
+        future, frames = self._prepare(payload, timeout, stream)
+        self._conn.send(future.request_id, frames)
+        return future
+
+    def _prepare(self, payload: Any, timeout: float | None, stream: Any = None,
+                 slot: bool = False) -> tuple[Any, list[Any]]:
+        """A submit's future, in flight from now on, and the frames to send: a ``Slot`` with
+        ``slot``, for a caller that waits for it itself and hands it to nobody."""
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not 0 < timeout < math.inf):
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         self._check_open()
         request_id = next(self._ids)
         session = self._replies.session
-        place = borrow = None
-        if session is not None:
-            place = functools.partial(self._place, session)
-            borrow = functools.partial(self._borrow, session) if session.arena is not None else None
-        # frames stay views of the caller's arrays: Connection.send has zmq copy them at once, or snapshots them
-        encoder = PayloadEncoder(copy=False, place=place, shm_threshold=self._shm_threshold, borrow=borrow)
+        encoder = self._placement.encoder(session)
+        # dropped results' blocks ride in the header: one message for the server to read, not two
+        released = session.take_released() if session is not None and session.released else None
         try:
-            packed = encoder.pack(payload)
+            data = submit_message(encoder, request_id, timeout, session is not None and session.result_mapper is not None,
+                                  payload, released, stream is not None)
         except BaseException:
             if session is not None:
                 session.free(encoder.blocks)
+                if released:  # they ride with a later message
+                    session.released.extendleft((b[0], b[1]) for b in reversed(released))
             raise
-        # dropped results' blocks ride in the header: one message for the server to read, not two
-        released = session.take_released() if session is not None and session.released else None
-        header = submit_header(request_id, timeout, session is not None and session.result_mapper is not None,
-                               packed.data, released, stream is not None)
         future: Any = Slot() if slot else Future()
         future.request_id = request_id
         self._replies.add(request_id, Pending(future, "submit", time.monotonic(), encoder.blocks, session, released,
                                               stream))
-        self._conn.send(request_id, [header, *encoder.frames] if encoder.frames else [header])
-        return future
+        return future, [data, *encoder.frames] if encoder.frames else [data]
 
     def _control(self, op: str, **fields: Any) -> Future:
         """Send a control op (``ping``, ``info``, ``cancel``); its future."""
@@ -318,34 +334,6 @@ class Client:
         if not self._role.wait(future, timeout, self._read) and not future.done():
             raise FutureTimeoutError()
         return future.result()
-
-    def _place(self, session: ShmSession, nbytes: int) -> tuple[str, int, memoryview] | None:
-        """A block of our arena for a request tensor; registers a new segment before its first use."""
-        with self._replies.shm_lock:
-            if session is not self._replies.session or not session.usable:
-                return None
-            segment, offset, view, new = session.place(nbytes)
-            if new:  # queued under the shm lock: no request using this segment can be queued before it
-                self._conn.outbox.append((None, [register_header(session.run_id, [segment])]))
-            return segment, offset, view
-
-    def _lend(self, nbytes: int) -> np.ndarray | None:
-        """A lent block of the current session's arena (``empty``); None without a usable session."""
-        with self._replies.shm_lock:
-            session = self._replies.session
-            if session is None or not session.usable:
-                return None
-            segment, offset, holder, new = session.lend(nbytes)
-            if new:  # registered before any request that carries it, as _place does
-                self._conn.outbox.append((None, [register_header(session.run_id, [segment])]))
-        return holder
-
-    def _borrow(self, session: ShmSession, address: int, nbytes: int) -> tuple[str, int, int] | None:
-        """The lent block (``empty``) a request tensor lies in, held by the request until its reply."""
-        with self._replies.shm_lock:
-            if session is not self._replies.session or not session.usable:
-                return None
-            return session.arena.borrow(address, nbytes)
 
     def _check_open(self) -> None:
         if self._replies.closed:

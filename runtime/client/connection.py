@@ -6,6 +6,8 @@ Torch-free. The socket's *reader* (who polls it for replies) is decided by the c
     any thread: send(id, frames) -> outbox --- kick(): the socket free? hold it, flush() --> server
                                                held by a reader asleep in poll(): role.wake(),
                                                and the reader flushes before it polls on
+    Client.call, the role free: exchange(id, frames, future, deadline): sends, then reads as below
+                               until its own reply (Replies.own) or another's (read_one)
     the reader: read_until(future, deadline)   (ReaderRole.wait's ``read``)
       socket held: poll(): flush(); poll, spinning budget_ns("client") first; <-- replies
                    read_one() -> Replies.handle -> done
@@ -53,7 +55,7 @@ from runtime.transport.zmq_context import io_context
 log = logging.getLogger("phyrt.client")
 
 # plain ints: pyzmq's enum members cost microseconds in every ``|`` and call on the hot path
-_NOBLOCK = int(zmq.NOBLOCK)
+_NOBLOCK, _POLLIN = int(zmq.NOBLOCK), int(zmq.POLLIN)
 
 
 class Connection:
@@ -92,6 +94,9 @@ class Connection:
         self._reader_poller.register(self.sock, zmq.POLLIN)
         self._reader_poller.register(role.fd, zmq.POLLIN)
         self._poll_now = functools.partial(self._reader_poller.poll, 0)  # the spinner's look
+        # exchange's: zmq_poll itself (zmq.Poller.poll wraps it in Python), and its look
+        self._items = [(self.sock, _POLLIN), (role.fd, _POLLIN)]
+        self._poll_items_now = functools.partial(zmq.zmq_poll, self._items, 0)
 
     def _configure(self, server_public_key: str | bytes | None, public_key: str | bytes | None,
                    secret_key: str | bytes | None) -> None:
@@ -218,6 +223,53 @@ class Connection:
             if role.closed and not future.done():
                 role.leave(hand_on=False)  # so that our wait sleeps on the future, which close() fails
 
+    def exchange(self, request_id: int, frames: list[Any], future: Any, deadline: float | None) -> None:
+        """``Client.call``'s reader, holding the role: send ``frames`` and read until ``future`` (a
+        ``Slot``) is done, ``deadline`` passes or the role is closed. ``read_until`` less what a
+        lone caller does not need: no outbox unless others queued, its own reply answered at once
+        (``Replies.own``), the poll without ``zmq.Poller``'s Python."""
+        lock, sock, own = self.lock, self.sock, self._replies.own
+        failed: list = []
+        lock.acquire()
+        try:
+            if self.outbox or len(frames) > 1:
+                self.outbox.append((request_id, frames))
+            else:
+                try:
+                    sock.send(frames[0], _NOBLOCK)
+                except zmq.ZMQError:  # flush says why, and fails the request
+                    self.outbox.append((request_id, frames))
+            while not future.done() and self.open and not self._role.closed:
+                if self.outbox:
+                    self.flush(failed)
+                wait = self._poll_s if deadline is None else min(self._poll_s, deadline - time.monotonic())
+                if wait <= 0 or future.done():
+                    return
+                self.polling = True
+                try:
+                    events = self._spinner.wait(self._poll_items_now, zmq.zmq_poll, self._items, int(wait * 1000) + 1)
+                finally:
+                    self.polling = False
+                for what, _ in events:
+                    if what is sock:
+                        head = sock.recv(_NOBLOCK, copy=False)
+                        if head.more or not own(head.bytes, future):
+                            self.read_one(failed, head)
+                    else:
+                        self._role.drain()
+                if failed:  # other threads' futures: completed with the socket released
+                    lock.release()
+                    try:
+                        complete(failed)
+                    finally:
+                        failed = []
+                        lock.acquire()
+        finally:
+            lock.release()
+            complete(failed)
+            if self.outbox:  # queued while we held the socket, after our last look
+                self.kick()
+
     def poll(self, poller: zmq.Poller, timeout_s: float, done: list, spinner: Spinner | None = None) -> list:
         """Holding the socket: send what is queued, wait up to ``timeout_s`` for a message and read
         it (a ``spinner`` polls a moment before sleeping: ``runtime.transport.spin``); what fired,
@@ -242,9 +294,11 @@ class Connection:
                 self._role.drain()
         return events
 
-    def read_one(self, done: list) -> None:
+    def read_one(self, done: list, head: Any = None) -> None:
+        """Read one message (its first frame ``head`` if read already) and handle it."""
         sock = self.sock
-        head = sock.recv(_NOBLOCK, copy=False)  # a Frame knows in C whether parts follow
+        if head is None:
+            head = sock.recv(_NOBLOCK, copy=False)  # a Frame knows in C whether parts follow
         frames = []
         more = head.more
         while more:  # the parts of a message arrive together

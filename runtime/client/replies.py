@@ -51,7 +51,8 @@ from runtime.client.headers import register_header
 from runtime.client.shm import ShmSession
 from runtime.core.errors import ProtocolError
 from runtime.core.futures import resolve
-from runtime.transport.protocol import TensorResolver, numpy_tensor, numpy_view, torch_tensor, torch_view, unpack_header
+from runtime.transport import codec
+from runtime.transport.protocol import SUBMIT_REPLY_PREFIX, TensorResolver, numpy_tensor, numpy_view, torch_tensor, torch_view, unpack_header
 from runtime.transport.shm import sweep_stale
 
 log = logging.getLogger("phyrt.client")
@@ -94,6 +95,10 @@ def complete(done: list[tuple[Future, Any, Any]]) -> None:
                                                               getattr(future, "request_id", None)))
         else:
             resolve(future, result, error)
+
+
+def _no_ext(code: int, body: bytes) -> Any:
+    raise ProtocolError("a tensor reference")  # own() leaves such a reply to handle()
 
 
 def _more(header: dict[str, Any]) -> bool:
@@ -205,6 +210,28 @@ class Replies:
                 done.append((p.future, None, ServerError.for_request(
                     f"the reply could not be read: {type(exc).__name__}: {exc}", request_id)))
             raise
+
+    def own(self, head: bytes, future: Any) -> bool:
+        """``future``'s reply if it is a submit's plain success (``SUBMIT_REPLY_PREFIX``'s five fields):
+        answered, True; anything else is left to ``handle`` (False)."""
+        if not head.startswith(SUBMIT_REPLY_PREFIX):
+            return False
+        try:  # the prefix holds the protocol version: unpack_header's checks less the frame's size
+            header = codec.loads(head, _no_ext, "header")
+        except ProtocolError:
+            return False
+        request_id = future.request_id
+        if len(header) != 5 or header.get("id") != request_id or header.get("ok") is not True:
+            return False
+        with self.lock:
+            p = self.pending.pop(request_id, None)
+        if p is None:  # failed here already: handle() frees what the server held for it
+            return False
+        self.last_heard = time.monotonic()
+        if p.blocks and p.session is not None:
+            p.session.free(p.blocks)
+        future.set_result(header["result"])  # a Slot: no callbacks to run with the socket held
+        return True
 
     def _answer(self, header: dict[str, Any], p: Pending | None, refs: bool, frames: list[zmq.Frame],
                 done: list) -> bytes | None:

@@ -31,10 +31,10 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from runtime.serving.requests import InFlight, Outcome, Request, outcome_of, outcome_of_result
-from runtime.transport.protocol import PROTOCOL_VERSION, submit_reply
+from runtime.transport.protocol import PROTOCOL_VERSION
 
 #: ``ServerSocket.send(identity, header, frames=()) -> bool``: ``header`` a dict or its packed bytes
-#: (``protocol.submit_reply``); False when the reply could not be sent
+#: (a submit's reply, ``Outcome.result``); False when the reply could not be sent
 Send = Callable[..., bool]
 
 
@@ -66,7 +66,7 @@ class Replies:
         """A stream's partial chunk (the engine's thread): sent at once, or the stream cancelled."""
         if req.replied or req.overflow:
             return
-        outcome = outcome_of_result(req, chunk, None)
+        outcome = outcome_of_result(req, chunk, None, chunk=True)
         if outcome.error is None and self._send(req.identity, {
                 "v": PROTOCOL_VERSION, "op": "stream", "id": req.id, "ok": True, "result": outcome.result,
                 "seq": req.seq}, outcome.frames):
@@ -106,7 +106,7 @@ class Replies:
                                              "result": outcome.result, "seq": req.seq, "final": True},
                               outcome.frames)
         else:
-            sent = self._send(req.identity, submit_reply(req.id, outcome.result), outcome.frames)
+            sent = self._send(req.identity, outcome.result, outcome.frames)  # the packed reply
         if not sent and outcome.blocks:
             req.client.release(outcome.blocks, mapped=False)
 

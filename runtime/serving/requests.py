@@ -38,7 +38,7 @@ from typing import Any, Iterator
 import torch
 
 from runtime.core.errors import EngineUnavailableError, ProtocolError, RemoteError
-from runtime.transport.protocol import PayloadEncoder
+from runtime.transport.protocol import PROTOCOL_VERSION, PayloadEncoder
 from runtime.serving.shm import ClientShm
 
 #: results at least this large go into the client's result arena when it asked for shm
@@ -102,7 +102,8 @@ class Request:
 
 
 class Outcome:
-    """A request's reply: the result (``Packed``, with its frames or result blocks), or an error."""
+    """A request's reply: the result (a submit's: its whole reply header, packed; a stream's: a
+    ``Packed`` value), with its frames or result blocks; or an error."""
 
     __slots__ = ("result", "frames", "blocks", "error", "late")
 
@@ -283,12 +284,13 @@ def outcome_of(req: Request, future: Future) -> Outcome:
     return outcome_of_result(req, result, None)
 
 
-def outcome_of_result(req: Request, result: Any, error: BaseException | None) -> Outcome:
-    """The reply to ``req`` given what running it gave: ``result``, or ``error`` (not None)."""
+def outcome_of_result(req: Request, result: Any, error: BaseException | None, chunk: bool = False) -> Outcome:
+    """The reply to ``req`` given what running it gave: ``result``, or ``error`` (not None);
+    ``chunk``: a stream's partial result (a stream's ``req.stream`` may not be set yet)."""
     try:
         if error is not None:
             return Outcome(error=_error_of(error))
-        return _encode_result(req, result)
+        return _encode_result(req, result, not chunk and req.stream is None)
     except BaseException as exc:  # never let a callback lose a reply
         return Outcome(error=("PluginError", clip(f"the result could not be sent: {type(exc).__name__}: {exc}")))
 
@@ -309,12 +311,19 @@ class RunningHere:
         return self.finished
 
 
-def _encode_result(req: Request, result: Any) -> Outcome:
+def _encode_result(req: Request, result: Any, submit: bool) -> Outcome:
+    """The encoded result: a ``Packed`` value, or with ``submit`` the whole reply of a submit
+    (``{"v", "op": "submit", "id", "ok": True, "result"}``, packed in one go: the bytes
+    ``pack_header`` makes of it)."""
     client = req.client if req.shm_results else None
     encoder = PayloadEncoder(copy=False, place=client.place_result if client is not None else None,
                              shm_threshold=RESULT_SHM_THRESHOLD)
     try:
-        body = encoder.pack(result, "result")
+        if submit:
+            body: Any = encoder.pack_message({"v": PROTOCOL_VERSION, "op": "submit", "id": req.id, "ok": True,
+                                              "result": result}, "result")
+        else:
+            body = encoder.pack(result, "result")
     except (TypeError, ValueError) as exc:
         if client is not None:
             client.release(encoder.blocks, mapped=False)

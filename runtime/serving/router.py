@@ -41,7 +41,6 @@ log = logging.getLogger("phyrt.server")
 RECV_BATCH = 256
 # plain ints: pyzmq's enum members cost microseconds in every ``&`` and call on the hot path
 _NOBLOCK, _SNDMORE, _POLLIN = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.POLLIN)
-_EVENTS = int(zmq.EVENTS)
 
 
 class ServerSocket:
@@ -73,6 +72,9 @@ class ServerSocket:
             if self._ipc:
                 os.chmod(self.address[len("ipc://"):], 0o600)
             self.fd = self._router.getsockopt(zmq.FD)
+            # whether a message waits (level-triggered, as ``EVENTS``): zmq_poll with timeout 0 runs
+            # no Python code, where getsockopt(EVENTS) looks the option up in a Python enum
+            self._readable = [(self._router, _POLLIN)]
             self._open = True
             self._wake_pipe = WakePipe()
             success = True
@@ -106,8 +108,8 @@ class ServerSocket:
         with self._lock:
             if not self._open:
                 return batch, False
-            router = self._router
-            while router.getsockopt(_EVENTS) & _POLLIN:
+            router, readable = self._router, self._readable
+            while zmq.zmq_poll(readable, 0):
                 identity = router.recv(_NOBLOCK, copy=False)  # a Frame knows in C whether parts follow
                 if not identity.more:
                     continue
@@ -127,7 +129,7 @@ class ServerSocket:
 
     def send(self, identity: bytes, header: dict[str, Any] | bytes, frames: Any = ()) -> bool:
         """Send without ever blocking; False if the peer is gone or does not read its replies.
-        ``header``: a dict, or its bytes already packed (``protocol.submit_reply``)."""
+        ``header``: a dict, or its bytes already packed (a submit's reply, ``Outcome.result``)."""
         data = header if type(header) is bytes else pack_header(header)
         sent = waiting = False
         with self._lock:
@@ -146,7 +148,7 @@ class ServerSocket:
                 log.debug("dropped a reply to %r: its queue is full", identity)
             except zmq.ZMQError as exc:  # EHOSTUNREACH under ROUTER_MANDATORY: the peer left
                 log.debug("dropped a reply to %r: %s", identity, exc)
-            waiting = router.getsockopt(_EVENTS) & _POLLIN
+            waiting = zmq.zmq_poll(self._readable, 0)
         if waiting:  # this send took the signal of a message that came meanwhile: pass it on
             if self._looping_here():
                 self.recheck = True

@@ -103,7 +103,7 @@ from runtime.transport.codec import ITEMSIZE, MAX_DEPTH, MAX_NDIM, check_dtype
 
 __all__ = ["PROTOCOL_VERSION", "EXT_FRAME", "EXT_SHM", "MAX_DEPTH", "MAX_NDIM", "MAX_TENSOR_FRAMES", "MAX_ID_CHARS",
            "DEFAULT_SHM_THRESHOLD", "ERROR_TYPES", "ITEMSIZE", "is_request_id", "PayloadEncoder", "Packed",
-           "pack_header", "unpack_header", "TensorResolver", "numpy_tensor", "numpy_view", "torch_tensor",
+           "pack_header", "unpack_header", "SUBMIT_REPLY_PREFIX", "TensorResolver", "numpy_tensor", "numpy_view", "torch_tensor",
            "torch_view"]
 
 PROTOCOL_VERSION = 1
@@ -169,6 +169,19 @@ class PayloadEncoder:
             data = msgpack.packb(codec.encode(obj, default, 1, path), use_bin_type=True)
         return Packed(data)
 
+    def pack_message(self, header: dict[str, Any], key: str = "payload") -> bytes:
+        """``pack_header`` of ``header`` whose ``key`` field holds a value still to encode: the bytes
+        of ``pack_header({**header, key: self.pack(header[key], key)})`` with the same errors, in one
+        msgpack call where ``codec.pack`` vouches for the value. The other fields are this side's own
+        and packed as they are."""
+        default = self._default()
+        value = header[key]
+        data = codec.pack(header, ((key, value),), default)
+        if data is None:  # the slow path names what it refuses
+            data = pack_header({**header, key: Packed(msgpack.packb(codec.encode(value, default, 1, key),
+                                                                    use_bin_type=True))})
+        return data
+
     def _default(self) -> Callable[[Any], Any]:
         """msgpack's ``default=``: what ``encode`` makes of a value msgpack cannot pack itself.
 
@@ -210,16 +223,9 @@ class Packed:
 _PACKED_FIELDS = {key: msgpack.packb(key) for key in ("payload", "result")}
 
 
-#: a submit's successful reply up to its id, and what comes between the id and the result
-#: (``submit_reply``): the bytes ``pack_header`` makes of the same header
-_SUBMIT_REPLY_HEAD = b"\x85" + b"".join(map(msgpack.packb, ("v", PROTOCOL_VERSION, "op", "submit", "id")))
-_SUBMIT_REPLY_RESULT = b"".join(map(msgpack.packb, ("ok", True, "result")))
-
-
-def submit_reply(request_id: Any, result: Packed) -> bytes:
-    """``pack_header`` of a submit's successful reply, ``{"v", "op": "submit", "id", "ok": True,
-    "result"}``, spliced from constant parts: the same bytes without building the header."""
-    return b"".join((_SUBMIT_REPLY_HEAD, msgpack.packb(request_id), _SUBMIT_REPLY_RESULT, result.data))
+#: how every successful submit's reply starts, up to its id: a map of five fields, ``v``, ``op``
+#: ("submit"), ``id``, ``ok`` (True) and ``result``, in that order (the server packs it so)
+SUBMIT_REPLY_PREFIX = b"\x85" + b"".join(map(msgpack.packb, ("v", PROTOCOL_VERSION, "op", "submit", "id")))
 
 
 def pack_header(header: dict[str, Any]) -> bytes:
