@@ -164,7 +164,7 @@ class Client:
     def call(self, payload: Any, timeout: float | None = None) -> Any:
         """``submit(payload, timeout=timeout).result(timeout)``; raises DeadlineExceededError on time-out."""
         role = self._role
-        reads = role.holder is None and role.take()  # nobody reads: this thread sends and reads itself
+        reads = role.take_free()  # nobody reads: this thread sends and reads itself
         try:
             future, frames = self._prepare(payload, timeout, slot=True)  # nobody else sees it: a Slot
             deadline = None if timeout is None else time.monotonic() + timeout

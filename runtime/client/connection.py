@@ -266,7 +266,8 @@ class Connection:
                         lock.acquire()
         finally:
             lock.release()
-            complete(failed)
+            if failed:
+                complete(failed)
             if self.outbox:  # queued while we held the socket, after our last look
                 self.kick()
 

@@ -33,14 +33,18 @@ class Placement:
         self._replies = replies
         self._outbox = outbox  # the connection's: registrations go out before what uses them
         self.shm_threshold = shm_threshold
+        self._bound: tuple[Any, Any, Any] = (None, None, None)  # (session, place, borrow), made once a session
 
     def encoder(self, session: ShmSession | None) -> PayloadEncoder:
         """An encoder for one request over ``session`` (None: frames only). Its frames view the
         caller's arrays: Connection.send has zmq copy them at once, or snapshots them."""
         if session is None:
             return PayloadEncoder(copy=False, shm_threshold=self.shm_threshold)
-        place = functools.partial(self._place, session)
-        borrow = functools.partial(self._borrow, session) if session.arena is not None else None
+        bound, place, borrow = self._bound
+        if bound is not session or (borrow is None and session.arena is not None):
+            place = functools.partial(self._place, session)
+            borrow = functools.partial(self._borrow, session) if session.arena is not None else None
+            self._bound = (session, place, borrow)  # one tuple: threads racing here build the same
         return PayloadEncoder(copy=False, place=place, shm_threshold=self.shm_threshold, borrow=borrow)
 
     def lend(self, nbytes: int) -> np.ndarray | None:

@@ -67,6 +67,8 @@ class Slot:
     def result(self, timeout: float | None = None) -> Any:
         """The result, or raise its error (``CancelledError`` once cancelled, ``TimeoutError``
         if it is still pending after ``timeout`` seconds)."""
+        if self._state is _FINISHED:
+            return self._value
         if not self.wait(timeout):
             raise TimeoutError()
         if self._state is _FINISHED:

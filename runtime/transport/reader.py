@@ -106,6 +106,17 @@ class ReaderRole:
         with self.lock:
             return self.take_locked()
 
+    def take_free(self) -> bool:
+        """The role for the calling thread if nobody holds it (True); False if a thread does (this
+        one included: ``wait`` re-enters it) or the role is closed."""
+        if self._holder is not None:
+            return False
+        with self.lock:
+            if self._holder is not None or self.closed:
+                return False
+            self._holder = threading.get_ident()
+            return True
+
     def reserve(self) -> bool:
         """Under ``lock``: hold the role for the calling thread if it announced a wait
         (``expect_wait``) and the role is free; its ``wait`` reads and gives it up."""
