@@ -6,7 +6,10 @@ the shared-memory protocol are in ``runtime.transport.protocol``; the errors in
 ``runtime.client.errors``; ``AsyncClient`` (asyncio) in ``runtime.client.async_client``.
 
     caller threads                                                     server (ROUTER)
-    submit(p) / call(p): encode (tensors -> frames | shm), Replies.add,
+    call(p), nobody reading: take the reader role (take_free), encode, Replies.add,
+      Connection.exchange: send now, poll, read ---- [header, *tensor frames] ---->
+      its own plain reply answered at once (Replies.own), any other as read_until does
+    submit(p) / call(p) otherwise: encode (tensors -> frames | shm), Replies.add,
       Connection.send: the socket free? send now ---- [header, *tensor frames] ---->
       held by a reader: it sends them (woken through the reader role)
     call(), ping(), info(), cancel(): ReaderRole.wait(future, timeout, read_until):
@@ -25,7 +28,8 @@ Invariants (each module states its own):
 - Who reads the socket is decided only by the ``ReaderRole`` (one holder; it re-enters, so
   a completion callback may call this client again from the reader's thread).
 - Every future is a ``concurrent.futures.Future`` (``call``'s, which nobody else sees, a lighter
-  ``runtime.core.futures.Slot``), completed once, with no lock held.
+  ``runtime.core.futures.Slot``), completed once, with no lock held (but a ``Slot``, which runs no
+  callbacks, by its own caller holding the socket: ``Replies.own``).
 - ``close()`` fails what is in flight, then closes the role (the reader leaves), then the
   I/O thread closes the socket; the descriptors and the context go once it has ended.
 
