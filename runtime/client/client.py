@@ -310,7 +310,7 @@ class Client:
             if session is not None:
                 session.free(encoder.blocks)
                 if released:  # they ride with a later message
-                    session.released.extendleft((b[0], b[1]) for b in reversed(released))
+                    session.give_back(released)
             raise
         future: Any = Slot() if slot else Future()
         future.request_id = request_id

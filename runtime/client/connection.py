@@ -6,12 +6,12 @@ Torch-free. The socket's *reader* (who polls it for replies) is decided by the c
     any thread: send(id, frames) -> outbox --- kick(): the socket free? hold it, flush() --> server
                                                held by a reader asleep in poll(): role.wake(),
                                                and the reader flushes before it polls on
-    Client.call, the role free: exchange(id, frames, future, deadline): sends, then reads as below
-                               until its own reply (Replies.own) or another's (read_one)
-    the reader: read_until(future, deadline)   (ReaderRole.wait's ``read``)
-      socket held: poll(): flush(); poll, spinning budget_ns("client") first; <-- replies
-                   read_one() -> Replies.handle -> done
+    the reader: exchange(id, frames, future, deadline)  (Client.call, the role free: sends first)
+                read_until(future, deadline) = exchange with nothing to send (ReaderRole.wait's ``read``)
+      socket held: flush(); poll, spinning budget_ns("client") first;      <-- replies
+                   a Slot's own plain reply: Replies.own; any other: read_one() -> Replies.handle -> done
       socket released: complete(done), then hold it again until ``future`` is done
+    the I/O thread, when nobody reads: poll() once, then the role goes back
 
 Invariants:
 - The socket is used under ``lock`` only, and no thread blocks on that lock to send:
@@ -47,6 +47,7 @@ from runtime.client.handshake import LOST, MONITORED, REFUSED, SERVED, Handshake
 from runtime.client.headers import release_header
 from runtime.client.replies import Replies, complete
 from runtime.core.errors import ProtocolError
+from runtime.core.futures import Slot
 from runtime.transport.endpoints import load_key
 from runtime.transport.reader import ReaderRole
 from runtime.transport.spin import Spinner, budget_ns
@@ -90,13 +91,10 @@ class Connection:
                 self.sock.close(0)
                 self._ctx.term()
         self.open = True
-        self._reader_poller = zmq.Poller()  # the reading caller's (one at a time)
-        self._reader_poller.register(self.sock, zmq.POLLIN)
-        self._reader_poller.register(role.fd, zmq.POLLIN)
-        self._poll_now = functools.partial(self._reader_poller.poll, 0)  # the spinner's look
-        # exchange's: zmq_poll itself (zmq.Poller.poll wraps it in Python), and its look
+        # the reading caller's poll (one at a time): zmq_poll itself (zmq.Poller.poll wraps it in
+        # Python), and the spinner's look
         self._items = [(self.sock, _POLLIN), (role.fd, _POLLIN)]
-        self._poll_items_now = functools.partial(zmq.zmq_poll, self._items, 0)
+        self._look = functools.partial(zmq.zmq_poll, self._items, 0)
 
     def _configure(self, server_public_key: str | bytes | None, public_key: str | bytes | None,
                    secret_key: str | bytes | None) -> None:
@@ -166,7 +164,7 @@ class Connection:
             try:
                 sock.send(release_header(blocks), _NOBLOCK)
             except zmq.Again:  # the queue is full: they ride with a later message
-                session.released.extendleft(tuple(b) for b in reversed(blocks))
+                session.give_back(blocks)
                 break
             except zmq.ZMQError as exc:
                 log.warning("dropped a release of result blocks to %s: %s", self.address, exc)
@@ -193,71 +191,33 @@ class Connection:
     # -- reading (the holder of the reader role) -------------------------------------------
 
     def read_until(self, future: Any, deadline: float | None) -> None:
-        """``ReaderRole.wait``'s ``read``: hold the socket and read until ``future`` is done, the
-        deadline passes or the role is closed (then give the role up: close() fails the future)."""
-        lock, poller, role = self.lock, self._reader_poller, self._role
-        lock.acquire()
-        held = True
-        try:
-            while not future.done() and not role.closed and self.open:
-                wait = self._poll_s
-                if deadline is not None:
-                    wait = min(wait, deadline - time.monotonic())
-                    if wait <= 0:
-                        return
-                done: list = []
-                self.poll(poller, wait, done, self._spinner)
-                if done:
-                    lock.release()
-                    held = False
-                    complete(done)
-                    if future.done():
-                        return
-                    lock.acquire()
-                    held = True
-        finally:
-            if held:
-                lock.release()
-            if self.outbox:  # queued while we held the socket, after our last look
-                self.kick()
-            if role.closed and not future.done():
-                role.leave(hand_on=False)  # so that our wait sleeps on the future, which close() fails
+        """``ReaderRole.wait``'s ``read``: ``exchange`` with nothing to send; once the role is
+        closed, give it up (so that the wait sleeps on the future, which close() fails)."""
+        self.exchange(None, None, future, deadline)
+        if self._role.closed and not future.done():
+            self._role.leave(hand_on=False)
 
-    def exchange(self, request_id: int, frames: list[Any], future: Any, deadline: float | None) -> None:
-        """``Client.call``'s reader, holding the role: send ``frames`` and read until ``future`` (a
-        ``Slot``) is done, ``deadline`` passes or the role is closed. ``read_until`` less what a
-        lone caller does not need: no outbox unless others queued, its own reply answered at once
-        (``Replies.own``), the poll without ``zmq.Poller``'s Python."""
-        lock, sock, own = self.lock, self.sock, self._replies.own
+    def exchange(self, request_id: int | None, frames: list[Any] | None, future: Any, deadline: float | None) -> None:
+        """Holding the reader role: send ``frames`` (None: nothing) and read until ``future`` is
+        done, ``deadline`` passes or the role is closed. Other futures' answers are completed with
+        the socket released; a ``Slot`` (``Client.call``'s, which runs no callbacks) is answered
+        by its own plain reply at once (``Replies.own``)."""
+        lock = self.lock
+        own = self._replies.own if type(future) is Slot else None
         failed: list = []
         lock.acquire()
         try:
-            if self.outbox or len(frames) > 1:
-                self.outbox.append((request_id, frames))
-            else:
-                try:
-                    sock.send(frames[0], _NOBLOCK)
-                except zmq.ZMQError:  # flush says why, and fails the request
-                    self.outbox.append((request_id, frames))
+            if frames is not None:
+                self._send_held(request_id, frames)
             while not future.done() and self.open and not self._role.closed:
                 if self.outbox:
                     self.flush(failed)
                 wait = self._poll_s if deadline is None else min(self._poll_s, deadline - time.monotonic())
-                if wait <= 0 or future.done():
+                if wait <= 0:
                     return
-                self.polling = True
-                try:
-                    events = self._spinner.wait(self._poll_items_now, zmq.zmq_poll, self._items, int(wait * 1000) + 1)
-                finally:
-                    self.polling = False
-                for what, _ in events:
-                    if what is sock:
-                        head = sock.recv(_NOBLOCK, copy=False)
-                        if head.more or not own(head.bytes, future):
-                            self.read_one(failed, head)
-                    else:
-                        self._role.drain()
-                if failed:  # other threads' futures: completed with the socket released
+                if not failed:  # (a request that could not go is answered first)
+                    self._read_some(future, own, wait, failed)
+                if failed:
                     lock.release()
                     try:
                         complete(failed)
@@ -271,20 +231,42 @@ class Connection:
             if self.outbox:  # queued while we held the socket, after our last look
                 self.kick()
 
-    def poll(self, poller: zmq.Poller, timeout_s: float, done: list, spinner: Spinner | None = None) -> list:
-        """Holding the socket: send what is queued, wait up to ``timeout_s`` for a message and read
-        it (a ``spinner`` polls a moment before sleeping: ``runtime.transport.spin``); what fired,
-        as ``zmq.Poller.poll`` lists it."""
+    def _send_held(self, request_id: int | None, frames: list[Any]) -> None:
+        """Holding the socket: a one-frame message now, unless others wait in the outbox (then
+        it queues behind them, as tensor frames do: the next flush sends them)."""
+        if self.outbox or len(frames) > 1:
+            self.outbox.append((request_id, frames))
+            return
+        try:
+            self.sock.send(frames[0], _NOBLOCK)
+        except zmq.ZMQError:  # flush says why, and fails the request
+            self.outbox.append((request_id, frames))
+
+    def _read_some(self, future: Any, own: Any, wait_s: float, done: list) -> None:
+        """Holding the socket: wait up to ``wait_s`` for a message (spinning first:
+        ``runtime.transport.spin``) and read what came; ``own``, if given, answers ``future``."""
+        self.polling = True
+        try:
+            events = self._spinner.wait(self._look, zmq.zmq_poll, self._items, int(wait_s * 1000) + 1)
+        finally:
+            self.polling = False
+        sock = self.sock
+        for what, _ in events:
+            if what is sock:
+                head = sock.recv(_NOBLOCK, copy=False)
+                if head.more or own is None or not own(head.bytes, future):
+                    self.read_one(done, head)
+            else:
+                self._role.drain()
+
+    def poll(self, poller: zmq.Poller, timeout_s: float, done: list) -> list:
+        """The I/O thread, holding the socket: send what is queued, wait up to ``timeout_s`` for a
+        message and read it; what fired, as ``zmq.Poller.poll`` lists it."""
         self.polling = True
         try:
             if self.outbox:
                 self.flush(done)
-            ms = int(timeout_s * 1000) + 1 if timeout_s > 0 and not done else 0
-            if spinner is not None and ms:
-                events = spinner.wait(self._poll_now if poller is self._reader_poller else
-                                      functools.partial(poller.poll, 0), poller.poll, ms)
-            else:
-                events = poller.poll(ms)
+            events = poller.poll(int(timeout_s * 1000) + 1 if timeout_s > 0 and not done else 0)
         finally:
             self.polling = False
         sock = self.sock

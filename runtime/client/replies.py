@@ -157,7 +157,7 @@ class Replies:
         if p.session is not None:
             p.session.free(p.blocks)
             if p.released:
-                p.session.released.extendleft((b[0], b[1]) for b in reversed(p.released))
+                p.session.give_back(p.released)
         failed.append((p.future, None, ConnectionLostError.for_request(f"{reason}: {self.address}", request_id)))
 
     def close(self) -> dict[int, Pending] | None:
@@ -220,8 +220,8 @@ class Replies:
             header = codec.loads(head, _no_ext, "header")
         except ProtocolError:
             return False
-        request_id = future.request_id
-        if len(header) != 5 or header.get("id") != request_id or header.get("ok") is not True:
+        request_id = future.request_id  # five fields (the prefix's map size), none twice (loads)
+        if header.get("id") != request_id or header.get("ok") is not True:
             return False
         with self.lock:
             p = self.pending.pop(request_id, None)

@@ -120,6 +120,10 @@ class ShmSession:
             blocks.append([segment, offset])
         return blocks
 
+    def give_back(self, blocks: list[list[Any]]) -> None:
+        """Blocks ``take_released`` gave for a message that did not go out: first in line again."""
+        self.released.extendleft((segment, offset) for segment, offset in reversed(blocks))
+
     def close(self) -> None:
         self.closed = True
         if self.arena is not None:
