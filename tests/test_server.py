@@ -394,6 +394,8 @@ def inline_server(tmp_path, monkeypatch):
     monkeypatch.setattr(ServerSocket, "send", recording_send)
 
     class RecordingMetrics(NullMetrics):
+        on = True  # it records: the server calls it
+
         def __init__(self):
             self.ops: list = []
 

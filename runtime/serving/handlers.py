@@ -107,6 +107,8 @@ class MessageHandler:
         self._options = options
         self._ipc = address.startswith("ipc://")
         self._metrics = metrics if metrics is not None else NullMetrics()
+        self._metered = getattr(self._metrics, "on", True)
+        self._max_header_bytes = options.max_header_bytes
         self._runner = engine.inline_runner()
         self._cancellable = engine.mode == "inline"  # local ranks run whatever they were sent
         self.requests = InFlight()
@@ -152,7 +154,7 @@ class MessageHandler:
                 raise ProtocolError(f"{len(frames) - 1} tensor frames; at most {MAX_TENSOR_FRAMES}")
             head, refs = frames[0], []
             header = unpack_header(head.buffer if isinstance(head, zmq.Frame) else head,
-                                   self._options.max_header_bytes, refs)
+                                   self._max_header_bytes, refs)
             op, request_id = header.get("op"), header.get("id")
             allowed = _ALLOWED_FIELDS.get(op) if isinstance(op, str) else None
             if allowed is None:
@@ -166,7 +168,8 @@ class MessageHandler:
                 unknown = header.keys() - HEADER_FIELDS - OP_FIELDS[op]
                 raise ProtocolError(f"unknown fields {sorted(unknown)} for op {op!r}; "
                                     f"allowed: {sorted(OP_FIELDS[op])}"[:300])
-            self._metrics.on_request(op)
+            if self._metered:
+                self._metrics.on_request(op)
             client = self.shm.get(identity)
             if client is not None:
                 client.last_seen = started

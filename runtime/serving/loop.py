@@ -65,11 +65,9 @@ class IoLoop:
         self._spinner = Spinner(budget_ns("server") if self._runs_here else 0)
         self._next_housekeeping = time.monotonic() + _HOUSEKEEPING_S
         self._backlog: collections.deque[tuple[bytes, list[Any]]] = collections.deque()  # read, not handled
+        self.hand_over = turns.hand_over  # (handlers.Turn) the standby takes the loop at its next tick
 
     # -- the turn a submit run here gives up (handlers.Turn) ------------------------------
-
-    def hand_over(self) -> None:
-        self._turns.hand_over()
 
     def take_back(self) -> None:
         if self._turns.take_back():
@@ -96,11 +94,15 @@ class IoLoop:
         more = True  # messages may be waiting: read before sleeping
         try:
             while not self._turns.stopped:
-                wait_ms = 0.0 if more or socket.recheck or backlog else self._wait_ms()
-                if wait_ms > 0 and not requests:  # (an engine thread at work needs the GIL)
-                    events = spinner.wait(poll_now, poller.poll, wait_ms, budget=min(spinner.budget, int(wait_ms * 1e6)))
+                if more or socket.recheck or backlog:  # work at hand: no poll (a wake-up waits in its pipe)
+                    events = ()
                 else:
-                    events = poller.poll(wait_ms)
+                    wait_ms = self._wait_ms()
+                    if not requests:  # (an engine thread at work needs the GIL)
+                        events = spinner.wait(poll_now, poller.poll, wait_ms,
+                                              budget=min(spinner.budget, int(wait_ms * 1e6)))
+                    else:
+                        events = poller.poll(wait_ms)
                 if events and (len(events) > 1 or events[0][0] == wake_fd):
                     socket.drain_wake()
                 socket.recheck = False

@@ -47,6 +47,7 @@ class Replies:
         self._send = send
         self._requests = requests
         self._metrics = metrics
+        self._metered = getattr(metrics, "on", True)  # NullMetrics: no calls, no clock read per reply
         self._cancellable = cancellable  # inline engines cancel queued work; local ranks cannot
         self._wake = wake
         self.draining = False  # not accepting: the I/O thread wants to know when a request is done
@@ -94,8 +95,9 @@ class Replies:
 
     def _reply(self, req: Request, outcome: Outcome) -> None:
         """Send ``req``'s reply (any thread; the request has been claimed for it)."""
-        self._metrics.on_reply(outcome.error is None, outcome.error[0] if outcome.error else None,
-                               time.monotonic() - req.arrived)
+        if self._metered:
+            self._metrics.on_reply(outcome.error is None, outcome.error[0] if outcome.error else None,
+                                   time.monotonic() - req.arrived)
         if req.overflow and outcome.error is None:
             outcome.error = ("Overloaded", "a chunk of this stream could not be sent (the client's queue was "
                                            "full: it did not read), so the stream was cancelled")
@@ -115,9 +117,11 @@ class Replies:
     def settle(self) -> float:
         """Send what the I/O thread owes: outcomes left to it, then deadlines due. Returns
         the time deadlines were checked at."""
-        self._finish_completed()
         now = time.monotonic()
-        self._expire_deadlines(now)
+        if self._requests.owed(now):  # (most turns of the loop owe nothing)
+            self._finish_completed()
+            now = time.monotonic()
+            self._expire_deadlines(now)
         return now
 
     def _finish_completed(self) -> None:

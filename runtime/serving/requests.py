@@ -209,6 +209,10 @@ class InFlight:
             if req.client is not None:
                 req.client.requests += 1
 
+    def owed(self, now: float) -> bool:
+        """Whether ``completed()`` or ``expired(now)`` has anything (the I/O thread)."""
+        return bool(self._completions) or bool(self._deadlines) and self._deadlines[0][0] <= now
+
     def next_deadline(self) -> float | None:
         return self._deadlines[0][0] if self._deadlines else None
 

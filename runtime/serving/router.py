@@ -11,9 +11,9 @@ Invariants:
   thread reads and answers there, and the thread that completes a request sends its
   reply at once, without a hop back to the I/O thread.
 - The looping thread sleeps in ``poll`` on the socket's (edge-triggered) ``ZMQ_FD``
-  without the lock; so every sender checks ``EVENTS`` after its send: messages waiting
-  then either set ``recheck`` (the sender is the looping thread: read before sleeping)
-  or wake the looping thread.
+  without the lock, and a send may take the signal of a message that came meanwhile: so
+  the looping thread's own send sets ``recheck`` (it reads before sleeping), and any other
+  sender checks ``EVENTS`` after its send and wakes the looping thread if messages wait.
 - Replies go out with NOBLOCK under ROUTER_MANDATORY: a peer that left or does not read
   loses its own replies (``send`` answers False), nobody else waits. ``MAXMSGSIZE``
   drops an oversized message and its sender's connection.
@@ -41,6 +41,9 @@ log = logging.getLogger("phyrt.server")
 RECV_BATCH = 256
 # plain ints: pyzmq's enum members cost microseconds in every ``&`` and call on the hot path
 _NOBLOCK, _SNDMORE, _POLLIN = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.POLLIN)
+#: libzmq's send as pyzmq's compiled backend has it: the Python layer above it (routing ids,
+#: groups) costs a frame of Python per call, a third of a small reply's send
+_send = zmq.backend.Socket.send
 
 
 class ServerSocket:
@@ -131,29 +134,29 @@ class ServerSocket:
         """Send without ever blocking; False if the peer is gone or does not read its replies.
         ``header``: a dict, or its bytes already packed (a submit's reply, ``Outcome.result``)."""
         data = header if type(header) is bytes else pack_header(header)
-        sent = waiting = False
+        sent = False
         with self._lock:
             if not self._open:
                 return False
             router = self._router
             try:
-                router.send(identity, _NOBLOCK | _SNDMORE)  # EAGAIN or EHOSTUNREACH come here, or never
+                _send(router, identity, _NOBLOCK | _SNDMORE)  # EAGAIN or EHOSTUNREACH come here, or never
                 if frames:
-                    router.send(data, _NOBLOCK | _SNDMORE)
+                    _send(router, data, _NOBLOCK | _SNDMORE)
                     router.send_multipart(frames, _NOBLOCK, copy=False)  # below 64 KiB pyzmq copies anyway
                 else:
-                    router.send(data, _NOBLOCK)
+                    _send(router, data, _NOBLOCK)
                 sent = True
             except zmq.Again:
                 log.debug("dropped a reply to %r: its queue is full", identity)
             except zmq.ZMQError as exc:  # EHOSTUNREACH under ROUTER_MANDATORY: the peer left
                 log.debug("dropped a reply to %r: %s", identity, exc)
+            if self._looping_here():  # it reads before it sleeps: no look here (a syscall per reply)
+                self.recheck = True
+                return sent
             waiting = zmq.zmq_poll(self._readable, 0)
         if waiting:  # this send took the signal of a message that came meanwhile: pass it on
-            if self._looping_here():
-                self.recheck = True
-            else:
-                self.wake()
+            self.wake()
         return sent
 
     def wake(self) -> None:
