@@ -113,17 +113,15 @@ class ServerSocket:
                 return batch, False
             router, readable = self._router, self._readable
             while zmq.zmq_poll(readable, 0):
-                identity = router.recv(_NOBLOCK, copy=False)  # a Frame knows in C whether parts follow
-                if not identity.more:
-                    continue
-                head = router.recv(copy=False)
+                identity = router.recv(_NOBLOCK)  # a ROUTER's first part: the peer's identity, never alone
+                head = router.recv(copy=False)  # a Frame knows in C whether parts follow
                 frames: list[Any] = [head.bytes]
                 more = head.more
                 while more:  # the parts of a message arrive together; tensors stay Frames (no copy)
                     frame = router.recv(copy=False)
                     frames.append(frame)
                     more = frame.more
-                batch.append((identity.bytes, frames))
+                batch.append((identity, frames))
                 if len(batch) >= RECV_BATCH:
                     return batch, True
         return batch, False
