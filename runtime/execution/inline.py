@@ -131,7 +131,7 @@ class InlineExecutor(ReplicaExecutor):
         """This replica's ``IdleRunner``; ``validate`` is the plugin's ``validate_request``."""
         return IdleRunner(self, validate)
 
-    def _run_idle(self, request: Any, validate: Callable[[Any], None],
+    def _run_idle(self, validate: Callable[[Any], None], request: Any,
                   hand_over: Callable[[], None]) -> tuple[bool, Any, BaseException | None]:
         """``IdleRunner.run``: see the module docstring."""
         if self._closed or self._error is not None:
@@ -245,17 +245,15 @@ class InlineExecutor(ReplicaExecutor):
 class IdleRunner:
     """Runs a request in the calling thread when the inline replica is idle (module docstring)."""
 
-    __slots__ = ("_executor", "_validate")
+    __slots__ = ("run",)
 
     def __init__(self, executor: InlineExecutor, validate: Callable[[Any], None]) -> None:
-        self._executor = executor
-        self._validate = validate
-
-    def run(self, request: Any, hand_over: Callable[[], None]) -> tuple[bool, Any, BaseException | None]:
-        """Validate ``request`` (raising the plugin's error), then run it here if the replica
-        holds nothing else, calling ``hand_over()`` first: ``(True, result, error)``;
-        otherwise ``(False, None, None)``, nothing ran, and the caller submits it."""
-        return self._executor._run_idle(request, self._validate, hand_over)
+        #: ``run(request, hand_over)``: validate ``request`` (raising the plugin's error), then run
+        #: it here if the replica holds nothing else, calling ``hand_over()`` first: ``(True,
+        #: result, error)``; otherwise ``(False, None, None)``, nothing ran, and the caller
+        #: submits it. (The executor's method itself: no Python frame of its own per request.)
+        self.run: Callable[[Any, Callable[[], None]], tuple[bool, Any, BaseException | None]] = functools.partial(
+            executor._run_idle, validate)
 
 
 def _fail(future: Future, reason: str, cause: BaseException | None = None) -> None:

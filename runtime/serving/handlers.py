@@ -160,7 +160,7 @@ class MessageHandler:
             if allowed is None:
                 bad_op, op = op, None
                 raise ProtocolError(f"unknown op {bad_op!r}; known: {sorted(OP_FIELDS)}"[:300])
-            if not is_request_id(request_id):
+            if (type(request_id) is not int or not 0 <= request_id < 1 << 64) and not is_request_id(request_id):
                 bad_id, request_id = request_id, None
                 raise ProtocolError(f"id must be an int in [0, 2**64) or a str of 1 to 128 characters, "
                                     f"got {bad_id!r}"[:300])
@@ -217,10 +217,11 @@ class MessageHandler:
         """The checks before the engine sees a submit; its ``Request`` and decoded payload."""
         if not self.accepting:
             raise Rejected("EngineUnavailable", "the server is shutting down")
-        if len(self.requests) >= self._options.max_inflight:
-            raise Rejected("Overloaded", f"{len(self.requests)} requests in flight, the server's limit "
+        table = self.requests.table
+        if len(table) >= self._options.max_inflight:
+            raise Rejected("Overloaded", f"{len(table)} requests in flight, the server's limit "
                                          f"(--max-inflight {self._options.max_inflight}); retry later")
-        if (identity, request_id) in self.requests:
+        if (identity, request_id) in table:
             raise ProtocolError(f"request id {request_id!r} is already in flight on this connection"[:300])
         if tensors or frames:
             resolver = TensorResolver(frames, request_tensor, client.view if client is not None else None)

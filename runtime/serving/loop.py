@@ -89,7 +89,7 @@ class IoLoop:
         wake_fd = socket.wake_fd
         spinner = self._spinner
         poll_now = functools.partial(poller.poll, 0)
-        requests = self._messages.requests
+        requests = self._messages.requests.table
         backlog = self._backlog
         more = True  # messages may be waiting: read before sleeping
         try:

@@ -33,7 +33,7 @@ import math
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -183,6 +183,8 @@ class InFlight:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self._requests: dict[tuple[bytes, Any], Request] = {}
+        #: the table itself, to read (``len``, ``in``) on the request path without a Python call
+        self.table: Mapping[tuple[bytes, Any], Request] = self._requests
         self._deadlines: list[tuple[float, int, Request]] = []
         self._seq = itertools.count()
         self._completions: collections.deque[tuple[Request, Outcome]] = collections.deque()
