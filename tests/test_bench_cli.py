@@ -191,3 +191,21 @@ def wait_for(check, timeout: float) -> bool:
             return True
         time.sleep(0.05)
     return check()
+
+
+@pytest.mark.timeout(180)
+def test_ab_serving_compares_two_checkouts_and_leaves_nothing(tmp_path):
+    """``python -m bench.ab_serving``: this checkout against itself, one short round: both
+    servers answer, each side's figures and the B/A ratios are printed, nothing is left; a
+    directory without the client package is refused with a usage error."""
+    out = subprocess.run([sys.executable, "-m", "bench.ab_serving", ROOT, ROOT, "--rounds", "1", "--seconds", "0.5",
+                          "--clients", "1"], cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| median")]
+    assert len(rows) == 2, out.stdout
+    cells = [cell.strip().strip("*") for cell in rows[0].strip("|").split("|")]
+    assert all(float(cell.replace(",", "")) > 0 for cell in cells[1:]), cells  # rates, µs, ratios
+    assert "nothing left behind" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "bench.ab_serving", str(tmp_path), ROOT], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "no runtime/client package" in bad.stderr
