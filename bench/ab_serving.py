@@ -29,16 +29,15 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
+import selectors
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 
 import psutil
 
-from bench.common import Progress, Table, leftovers
+from bench.common import Progress, Table, run_alone
 from bench.report import table_lines
 
 PLUGIN = "bench.transport:EchoEntry"
@@ -74,17 +73,18 @@ def _env(root: str) -> dict[str, str]:
 class Side:
     """One checkout: its server, and its client processes of the round under way."""
 
-    def __init__(self, name: str, root: str, workdir: str) -> None:
+    def __init__(self, name: str, root: str, workdir: str, logdir: str) -> None:
         self.name, self.root = name, os.path.abspath(root)
         self.address = f"ipc://{workdir}/{name}.sock"
-        self.log = open(os.path.join(workdir, f"{name}.log"), "w")
+        self.log = open(os.path.join(logdir, f"{name}.log"), "w")
         self.server = subprocess.Popen([sys.executable, "-m", "runtime.launch", "--plugin", PLUGIN, "--device", "cpu",
                                         "--address", self.address, "--log-level", "warning"], cwd=self.root,
                                        env=_env(self.root), stdout=subprocess.PIPE, stderr=self.log, text=True)
-        line = _line(self.server, START_TIMEOUT_S)
-        if not line.startswith("phyrt ready "):
-            raise RuntimeError(f"the server of {self.root} did not get ready (its log: {self.log.name})")
         self.clients: list[subprocess.Popen] = []
+        if not _line(self.server, START_TIMEOUT_S).startswith("phyrt ready "):
+            self.close()
+            with open(self.log.name) as log:
+                raise RuntimeError(f"the server of {self.root} did not get ready; its log:\n{log.read()}")
 
     def spawn_clients(self, n: int, seconds: float) -> None:
         self.clients = [subprocess.Popen([sys.executable, "-c", CLIENT, self.address, str(seconds)], cwd=self.root,
@@ -126,8 +126,6 @@ class Side:
 
 def _line(proc: subprocess.Popen, timeout: float) -> str:
     """The next line ``proc`` prints, or "" if it prints none within ``timeout`` (then it is killed)."""
-    import selectors
-
     with selectors.DefaultSelector() as selector:
         selector.register(proc.stdout, selectors.EVENT_READ)
         if selector.select(timeout):
@@ -153,11 +151,11 @@ def one_round(sides: list[Side], clients: int, seconds: float) -> dict[str, dict
     return out
 
 
-def run(args: argparse.Namespace, workdir: str, progress: Progress, stack: contextlib.ExitStack) -> str:
+def run(args: argparse.Namespace, workdir: str, logdir: str, progress: Progress, stack: contextlib.ExitStack) -> str:
     sides = []
     for name, root in (("A", args.a_root), ("B", args.b_root)):
         progress(f"starting {name}'s server from {root}")
-        side = Side(name, root, workdir)
+        side = Side(name, root, workdir, logdir)
         stack.callback(side.close)
         sides.append(side)
     rows, ratios = [], []
@@ -203,17 +201,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     progress = Progress()
-    workdir = tempfile.mkdtemp(prefix="phyrt-ab-")  # mode 0700: the ipc:// sockets and the servers' logs
-    pids = {os.getpid()}
-    try:
-        with contextlib.ExitStack() as stack:
-            report = run(args, workdir, progress, stack)
-    finally:
-        left = [f for f in leftovers(workdir, pids) if not f.endswith(".log")]
-        shutil.rmtree(workdir, ignore_errors=True)
-    print(report + "\n\n## Cleanup\n\n" + ("nothing left behind" if not left else "WARNING, left behind: "
-                                           + "; ".join(left)))
-    return 1 if left else 0
+    return run_alone("phyrt-ab-", lambda workdir, logdir, pids, stack: run(args, workdir, logdir, progress, stack))
 
 
 if __name__ == "__main__":

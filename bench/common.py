@@ -239,6 +239,29 @@ class RunContext:
         return multiprocessing.get_context("spawn")
 
 
+def run_alone(prefix: str, body: Callable[[str, str, set[int], contextlib.ExitStack], str]) -> int:
+    """The shell of a benchmark run alone (not a section): ``body(workdir, logdir, pids, stack)``
+    returns its Markdown report; ``workdir`` (mode 0700: ipc:// sockets) and ``logdir`` (servers'
+    logs) are private temporary directories, removed after; ``stack`` closes what ``body``
+    started. Prints the report and what was left behind; 1 if anything was, else 0."""
+    import shutil
+    import tempfile
+
+    workdir = tempfile.mkdtemp(prefix=prefix)
+    logdir = tempfile.mkdtemp(prefix=prefix + "logs-")
+    pids = {os.getpid()}
+    try:
+        with contextlib.ExitStack() as stack:
+            report = body(workdir, logdir, pids, stack)
+    finally:
+        left = leftovers(workdir, pids)
+        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(logdir, ignore_errors=True)
+    print(report + "\n\n## Cleanup\n\n" + ("nothing left behind" if not left else "WARNING, left behind: "
+                                           + "; ".join(left)))
+    return 1 if left else 0
+
+
 def leftovers(workdir: str, pids: set[int]) -> list[str]:
     """What a run left behind: child processes (then killed), /dev/shm names of ``pids``, files in
     ``workdir`` (torch's own compile cache, which torch puts in the temporary directory, aside)."""

@@ -23,16 +23,14 @@ import argparse
 import contextlib
 import multiprocessing
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Iterator
 
 from bench import serving as sv
-from bench.common import Progress, Table, leftovers
+from bench.common import Progress, Table, run_alone
 from bench.report import table_lines
 from runtime.client import Client
 
@@ -147,19 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.io_batch", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one round, shorter loads: about a minute")
     args = parser.parse_args(argv)
-    workdir = tempfile.mkdtemp(prefix="phyrt-io-batch-")
-    logdir = tempfile.mkdtemp(prefix="phyrt-io-batch-logs-")
-    pids = {os.getpid()}
-    try:
-        with contextlib.ExitStack() as stack:
-            report = run(args, workdir, logdir, pids, stack)
-    finally:
-        left = leftovers(workdir, pids)
-        shutil.rmtree(workdir, ignore_errors=True)
-        shutil.rmtree(logdir, ignore_errors=True)
-    print(report + "\n\n## Cleanup\n\n" + ("nothing left behind" if not left else "WARNING, left behind: "
-                                           + "; ".join(left)))
-    return 1 if left else 0
+    return run_alone("phyrt-io-batch-", lambda workdir, logdir, pids, stack: run(args, workdir, logdir, pids, stack))
 
 
 if __name__ == "__main__":

@@ -160,7 +160,7 @@ class MessageHandler:
             if allowed is None:
                 bad_op, op = op, None
                 raise ProtocolError(f"unknown op {bad_op!r}; known: {sorted(OP_FIELDS)}"[:300])
-            if (type(request_id) is not int or not 0 <= request_id < 1 << 64) and not is_request_id(request_id):
+            if not is_request_id(request_id):
                 bad_id, request_id = request_id, None
                 raise ProtocolError(f"id must be an int in [0, 2**64) or a str of 1 to 128 characters, "
                                     f"got {bad_id!r}"[:300])
