@@ -69,7 +69,7 @@ import numpy as np
 
 from runtime.client.connection import Connection
 from runtime.client.errors import ConnectionLostError, DeadlineExceededError
-from runtime.client.headers import control_header, submit_message
+from runtime.client.headers import control_header, plain_submit, submit_message
 from runtime.client.io_thread import IOThread
 from runtime.client.placement import Placement
 from runtime.client.replies import Pending, Replies
@@ -300,19 +300,26 @@ class Client:
         self._check_open()
         request_id = next(self._ids)
         session = self._replies.session
+        shm_results = session is not None and session.result_mapper is not None
+        if session is None or not session.released:  # no releases to ride: a plain payload needs no encoder
+            data = plain_submit(request_id, timeout, shm_results, payload, stream is not None)
+            if data is not None:
+                future: Any = Slot() if slot else Future()
+                future.request_id = request_id
+                self._replies.add(request_id, Pending(future, "submit", time.monotonic(), None, session, None, stream))
+                return future, [data]
         encoder = self._placement.encoder(session)
         # dropped results' blocks ride in the header: one message for the server to read, not two
         released = session.take_released() if session is not None and session.released else None
         try:
-            data = submit_message(encoder, request_id, timeout, session is not None and session.result_mapper is not None,
-                                  payload, released, stream is not None)
+            data = submit_message(encoder, request_id, timeout, shm_results, payload, released, stream is not None)
         except BaseException:
             if session is not None:
                 session.free(encoder.blocks)
                 if released:  # they ride with a later message
                     session.give_back(released)
             raise
-        future: Any = Slot() if slot else Future()
+        future = Slot() if slot else Future()
         future.request_id = request_id
         self._replies.add(request_id, Pending(future, "submit", time.monotonic(), encoder.blocks, session, released,
                                               stream))

@@ -2,7 +2,8 @@
 
 Imports only ``runtime.transport.protocol`` of the project; no torch.
 
-    Client.submit/call   submit_message(encoder, id, timeout, shm_results, payload, release)  --> server
+    Client.submit/call   plain_submit(id, timeout, shm_results, payload): plain values, no encoder  --> server
+                         submit_message(encoder, id, timeout, shm_results, payload, release): the rest
     Client.ping/info/cancel, heartbeats, a submit future cancelled: control_header(op, id, ...)
     a new shm segment / session: register_header(run_id, segments)
     collected result blocks with no submit to ride on: release_header(blocks)
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.transport.protocol import PROTOCOL_VERSION, PayloadEncoder, pack_header
+from runtime.transport.protocol import PROTOCOL_VERSION, PayloadEncoder, pack_header, pack_plain
 
 
 def submit_message(encoder: PayloadEncoder, request_id: int, timeout: float | None, shm_results: bool,
@@ -24,6 +25,18 @@ def submit_message(encoder: PayloadEncoder, request_id: int, timeout: float | No
     """A submit (a ``stream`` op with ``stream``) whose ``payload`` ``encoder`` encodes (its
     tensors go to the encoder's frames or shared memory); TypeError or ValueError, naming
     the path, for a payload the wire cannot carry."""
+    return encoder.pack_message(_submit_header(request_id, timeout, shm_results, payload, release, stream))
+
+
+def plain_submit(request_id: int, timeout: float | None, shm_results: bool, payload: Any,
+                 stream: bool = False) -> bytes | None:
+    """``submit_message``'s bytes where ``payload`` holds plain values only (``pack_plain``); None
+    otherwise (``submit_message`` then encodes it, or names what it refuses)."""
+    return pack_plain(_submit_header(request_id, timeout, shm_results, payload, None, stream), "payload")
+
+
+def _submit_header(request_id: int, timeout: float | None, shm_results: bool, payload: Any,
+                   release: list[list[Any]] | None, stream: bool) -> dict[str, Any]:
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": "stream" if stream else "submit", "id": request_id}
     if timeout is not None:
         header["timeout_s"] = float(timeout)
@@ -32,7 +45,7 @@ def submit_message(encoder: PayloadEncoder, request_id: int, timeout: float | No
     if release:
         header["release"] = release
     header["payload"] = payload
-    return encoder.pack_message(header)
+    return header
 
 
 def control_header(op: str, request_id: int | str, **fields: Any) -> bytes:

@@ -1,6 +1,6 @@
 """What a client awaits from its server, and what each reply does: ``Replies``.
 
-Torch-free: imports the client's errors, headers and shm session, and the transport's codec.
+Torch-free: imports the client's errors, headers and shm session, and the transport's protocol.
 ``handle`` runs in the reader, holding the socket (``runtime.client.connection``); the
 futures it answers go into a ``done`` list that ``complete`` resolves once the socket
 and every lock are released (their callbacks may call the client again).
@@ -44,6 +44,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
+import msgpack
 import zmq
 
 from runtime.client.errors import ConnectionLostError, HandshakeError, ServerError, error_from_reply
@@ -51,7 +52,6 @@ from runtime.client.headers import register_header
 from runtime.client.shm import ShmSession
 from runtime.core.errors import ProtocolError
 from runtime.core.futures import resolve
-from runtime.transport import codec
 from runtime.transport.protocol import SUBMIT_REPLY_PREFIX, TensorResolver, numpy_tensor, numpy_view, torch_tensor, torch_view, unpack_header
 from runtime.transport.shm import sweep_stale
 
@@ -214,14 +214,14 @@ class Replies:
     def own(self, head: bytes, future: Any) -> bool:
         """``future``'s reply if it is a submit's plain success (``SUBMIT_REPLY_PREFIX``'s five fields):
         answered, True; anything else is left to ``handle`` (False)."""
-        if not head.startswith(SUBMIT_REPLY_PREFIX):
+        if not head.startswith(SUBMIT_REPLY_PREFIX) or 0xFF in head:  # (0xFF: a Timestamp may hide there)
             return False
-        try:  # the prefix holds the protocol version: unpack_header's checks less the frame's size
-            header = codec.loads(head, _no_ext, "header")
-        except ProtocolError:
+        try:  # msgpack's own checks: the server packs the result of a plain dict, whose keys are unique
+            header = msgpack.unpackb(head, strict_map_key=True, ext_hook=_no_ext)
+        except Exception:  # a tensor reference, or malformed: handle() says which
             return False
-        request_id = future.request_id  # five fields (the prefix's map size), none twice (loads)
-        if header.get("id") != request_id or header.get("ok") is not True:
+        request_id = future.request_id  # five distinct fields (the prefix's map size): no field twice
+        if len(header) != 5 or header.get("id") != request_id or header.get("ok") is not True or "result" not in header:
             return False
         with self.lock:
             p = self.pending.pop(request_id, None)

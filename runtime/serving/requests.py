@@ -38,7 +38,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from runtime.core.errors import EngineUnavailableError, ProtocolError, RemoteError
-from runtime.transport.protocol import PROTOCOL_VERSION, PayloadEncoder
+from runtime.transport.protocol import PROTOCOL_VERSION, PayloadEncoder, pack_plain
 from runtime.serving.shm import ClientShm
 
 #: results at least this large go into the client's result arena when it asked for shm
@@ -321,13 +321,17 @@ def _encode_result(req: Request, result: Any, submit: bool) -> Outcome:
     """The encoded result: a ``Packed`` value, or with ``submit`` the whole reply of a submit
     (``{"v", "op": "submit", "id", "ok": True, "result"}``, packed in one go: the bytes
     ``pack_header`` makes of it)."""
+    if submit:
+        header = {"v": PROTOCOL_VERSION, "op": "submit", "id": req.id, "ok": True, "result": result}
+        body: Any = pack_plain(header, "result")  # no tensor: no encoder
+        if body is not None:
+            return Outcome(result=body)
     client = req.client if req.shm_results else None
     encoder = PayloadEncoder(copy=False, place=client.place_result if client is not None else None,
                              shm_threshold=RESULT_SHM_THRESHOLD)
     try:
         if submit:
-            body: Any = encoder.pack_message({"v": PROTOCOL_VERSION, "op": "submit", "id": req.id, "ok": True,
-                                              "result": result}, "result")
+            body = encoder.pack_message(header, "result")
         else:
             body = encoder.pack(result, "result")
     except (TypeError, ValueError) as exc:

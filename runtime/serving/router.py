@@ -44,6 +44,10 @@ _NOBLOCK, _SNDMORE, _POLLIN = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.POLLIN
 #: libzmq's send as pyzmq's compiled backend has it: the Python layer above it (routing ids,
 #: groups) costs a frame of Python per call, a third of a small reply's send
 _send = zmq.backend.Socket.send
+#: whether a message waits (level-triggered): ``EVENTS`` through the compiled getsockopt, a plain int.
+#: ``zmq_poll(..., 0)`` tells the same with a ``poll`` of the socket's fd besides (a syscall per look,
+#: two looks per request); pyzmq's Python getsockopt makes a ``PollEvent`` of it
+_get, _EVENTS = zmq.backend.Socket.get, int(zmq.EVENTS)
 
 
 class ServerSocket:
@@ -75,9 +79,6 @@ class ServerSocket:
             if self._ipc:
                 os.chmod(self.address[len("ipc://"):], 0o600)
             self.fd = self._router.getsockopt(zmq.FD)
-            # whether a message waits (level-triggered, as ``EVENTS``): zmq_poll with timeout 0 runs
-            # no Python code, where getsockopt(EVENTS) looks the option up in a Python enum
-            self._readable = [(self._router, _POLLIN)]
             self._open = True
             self._wake_pipe = WakePipe()
             success = True
@@ -111,8 +112,8 @@ class ServerSocket:
         with self._lock:
             if not self._open:
                 return batch, False
-            router, readable = self._router, self._readable
-            while zmq.zmq_poll(readable, 0):
+            router = self._router
+            while _get(router, _EVENTS) & _POLLIN:
                 identity = router.recv(_NOBLOCK)  # a ROUTER's first part: the peer's identity, never alone
                 head = router.recv(copy=False)  # a Frame knows in C whether parts follow
                 frames: list[Any] = [head.bytes]
@@ -152,7 +153,7 @@ class ServerSocket:
             if self._looping_here():  # it reads before it sleeps: no look here (a syscall per reply)
                 self.recheck = True
                 return sent
-            waiting = zmq.zmq_poll(self._readable, 0)
+            waiting = _get(router, _EVENTS) & _POLLIN
         if waiting:  # this send took the signal of a message that came meanwhile: pass it on
             self.wake()
         return sent

@@ -210,6 +210,18 @@ class PayloadEncoder:
         return codec.ext(EXT_FRAME, msgpack.packb([name, shape, len(self.frames) - 1]))
 
 
+def pack_plain(header: dict[str, Any], key: str) -> bytes | None:
+    """``pack_header`` of ``header`` whose ``key`` field holds plain values only (no tensor, no numpy
+    scalar: nothing for an encoder to place or convert); None otherwise, and a ``PayloadEncoder``
+    packs it (or names what it refuses). A small message's path: one msgpack call, no encoder."""
+    if not codec.packable(((key, header[key]),), 0):
+        return None
+    try:  # no default=: a tensor or a numpy scalar raises here
+        return msgpack.Packer(use_bin_type=True).pack(header)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
 class Packed:
     """msgpack bytes of one value (``PayloadEncoder.pack``), spliced into a header by ``pack_header``."""
 
