@@ -847,6 +847,25 @@ def test_a_header_with_a_packed_payload_is_the_plain_header():
         assert msgpack.unpackb(message) == plain
 
 
+def test_a_plain_payload_is_packed_without_an_encoder_into_the_same_bytes():
+    from runtime.client.headers import plain_submit, submit_message
+    from runtime.transport.protocol import PayloadEncoder
+
+    plain = [{"obs": [1.5, 2.5], "task": "t", "n": None, "b": b"\x00\xff", "deep": {"x": [[1, 2], (3, 4)]}},
+             [1, "two", 3.0], "text", 2**63, {}]
+    for payload in plain:
+        for timeout, shm, stream in ((None, False, False), (0.5, True, False), (2, False, True)):
+            data = plain_submit(5, timeout, shm, payload, stream)
+            assert data == submit_message(PayloadEncoder(copy=False), 5, timeout, shm, payload, None, stream)
+    # a tensor, a numpy scalar, a map key that is not a str, an int past 64 bits: the encoder's
+    # path takes them (and names what it refuses)
+    for payload in ({"x": np.zeros(3, np.float32)}, {"x": np.float32(1.5)}, {1: "a"}, {"x": 2**70},
+                    {"x": [np.int64(3)]}):
+        assert plain_submit(5, None, False, payload) is None
+    with pytest.raises(TypeError, match="payload: map keys must be str"):
+        submit_message(PayloadEncoder(copy=False), 5, None, False, {1: "a"})
+
+
 @pytest.mark.parametrize("raw, match", [
     # a msgpack Timestamp (extension -1) in each encoding msgpack accepts, not only the canonical ones
     (b"\x82\xa1v\x01\xa1t\xd6\xff\x00\x00\x00\x01", "Timestamp|timestamps"),

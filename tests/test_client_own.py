@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -47,7 +48,10 @@ def test_its_own_plain_reply_answers_the_slot_and_leaves_nothing_pending():
     _reply(request_id=9),  # another request's
     SUBMIT_REPLY_PREFIX + b"\x08\xa2ok",  # cut short
     pack_header({"v": PROTOCOL_VERSION, "op": "ping", "id": 8, "ok": True, "result": {}}),
-], ids=["error", "inputs-held", "other-id", "truncated", "not-a-submit"])
+    pack_header({"v": PROTOCOL_VERSION, "op": "submit", "id": 8, "ok": True,
+                 "result": {"t": msgpack.Timestamp(1, 0)}}),  # handle() refuses Timestamps
+    SUBMIT_REPLY_PREFIX + b"\x08\xa2ok\xc3\xa2ok\xc3",  # five fields, a key twice, no result
+], ids=["error", "inputs-held", "other-id", "truncated", "not-a-submit", "timestamp", "duplicate-key"])
 def test_any_other_reply_is_left_to_handle_untouched(reply):
     replies, slot = _waiting()
     assert not replies.own(reply, slot)

@@ -204,8 +204,8 @@ class Connection:
         done, ``deadline`` passes or the role is closed. Other futures' answers are completed with
         the socket released; a ``Slot`` (``Client.call``'s, which runs no callbacks) is answered
         by its own plain reply at once (``Replies.own``). Each wait spins first
-        (``runtime.transport.spin``). One function: under load a small request's cost grows
-        with the code it runs (8 client processes on 2 cores: ~0.1 µs per bytecode)."""
+        (``runtime.transport.spin``). One function, not three: with many client processes on
+        few cores, every function a small request runs costs it cache misses."""
         lock, sock, role = self.lock, self.sock, self._role
         own = self._replies.own if type(future) is Slot else None
         failed: list = []
