@@ -61,7 +61,9 @@ class Agents:
         self.procs: list[subprocess.Popen] = []
         self.seen: dict[int, psutil.Process] = {}
         self.started = time.monotonic()
-        for command, log in zip(commands, self.logs):
+        for i, (command, log) in enumerate(zip(commands, self.logs)):
+            # torchrun's own log directory: in the test's, not a torchelastic_* directory of /tmp left behind
+            command = ["--log-dir", str(tmp_path / f"torchrun{i}"), *command]
             with open(log, "wb") as out:
                 self.procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *command],
                                                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
