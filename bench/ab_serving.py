@@ -30,7 +30,6 @@ import contextlib
 import json
 import os
 import selectors
-import signal
 import statistics
 import subprocess
 import sys
@@ -39,8 +38,8 @@ import psutil
 
 from bench.common import Progress, Table, run_alone
 from bench.report import table_lines
+from bench.serving import LaunchedServer
 
-PLUGIN = "bench.transport:EchoEntry"
 START_TIMEOUT_S = 120.0
 #: a client process: connects, warms up, says "ready", waits for "go", loops, prints its figures
 CLIENT = """
@@ -75,16 +74,9 @@ class Side:
 
     def __init__(self, name: str, root: str, workdir: str, logdir: str) -> None:
         self.name, self.root = name, os.path.abspath(root)
-        self.address = f"ipc://{workdir}/{name}.sock"
-        self.log = open(os.path.join(logdir, f"{name}.log"), "w")
-        self.server = subprocess.Popen([sys.executable, "-m", "runtime.launch", "--plugin", PLUGIN, "--device", "cpu",
-                                        "--address", self.address, "--log-level", "warning"], cwd=self.root,
-                                       env=_env(self.root), stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.server = LaunchedServer(f"ipc://{workdir}/{name}.sock", logdir, name, self.root)
+        self.address = self.server.address
         self.clients: list[subprocess.Popen] = []
-        if not _line(self.server, START_TIMEOUT_S).startswith("phyrt ready "):
-            self.close()
-            with open(self.log.name) as log:
-                raise RuntimeError(f"the server of {self.root} did not get ready; its log:\n{log.read()}")
 
     def spawn_clients(self, n: int, seconds: float) -> None:
         self.clients = [subprocess.Popen([sys.executable, "-c", CLIENT, self.address, str(seconds)], cwd=self.root,
@@ -95,7 +87,7 @@ class Side:
                 raise RuntimeError(f"a client of {self.root} did not get ready")
 
     def server_cpu(self) -> float:
-        times = psutil.Process(self.server.pid).cpu_times()
+        times = psutil.Process(self.server.proc.pid).cpu_times()
         return times.user + times.system
 
     def results(self, timeout: float) -> dict[str, float]:
@@ -113,15 +105,7 @@ class Side:
         for proc in self.clients:
             proc.kill()
             proc.wait()
-        if self.server.poll() is None:
-            self.server.send_signal(signal.SIGTERM)
-        try:
-            self.server.wait(30)
-        except subprocess.TimeoutExpired:
-            self.server.kill()
-            self.server.wait()
-        self.server.stdout.close()
-        self.log.close()
+        self.server.close()
 
 
 def _line(proc: subprocess.Popen, timeout: float) -> str:

@@ -85,13 +85,15 @@ _SHM_NAME = re.compile(r"phyrt-[0-9a-f]+-([0-9]+)-[0-9]+")
 
 
 class LaunchedServer:
-    """``python -m runtime.launch`` serving the echo plugin, as a user starts it."""
+    """``python -m runtime.launch`` serving the echo plugin, as a user starts it; ``root``: from
+    that checkout's code (its directory, on ``PYTHONPATH``), not this one's."""
 
-    def __init__(self, address: str, log_dir: str, name: str) -> None:
+    def __init__(self, address: str, log_dir: str, name: str, root: str | None = None) -> None:
         self.log_path = os.path.join(log_dir, f"{name}.log")
         self._log = open(self.log_path, "w")
+        env = None if root is None else {**os.environ, "PYTHONPATH": root}
         self.proc = subprocess.Popen([sys.executable, "-m", "runtime.launch", "--plugin", PLUGIN, "--device", "cpu",
-                                      "--address", address, "--log-level", "warning"],
+                                      "--address", address, "--log-level", "warning"], cwd=root, env=env,
                                      stdout=subprocess.PIPE, stderr=self._log, text=True)
         self.address = self._ready_fields()["address"]
 

@@ -301,29 +301,27 @@ class Client:
         request_id = next(self._ids)
         session = self._replies.session
         shm_results = session is not None and session.result_mapper is not None
-        if session is None or not session.released:  # no releases to ride: a plain payload needs no encoder
-            data = plain_submit(request_id, timeout, shm_results, payload, stream is not None)
-            if data is not None:
-                future: Any = Slot() if slot else Future()
-                future.request_id = request_id
-                self._replies.add(request_id, Pending(future, "submit", time.monotonic(), None, session, None, stream))
-                return future, [data]
-        encoder = self._placement.encoder(session)
-        # dropped results' blocks ride in the header: one message for the server to read, not two
-        released = session.take_released() if session is not None and session.released else None
-        try:
-            data = submit_message(encoder, request_id, timeout, shm_results, payload, released, stream is not None)
-        except BaseException:
-            if session is not None:
-                session.free(encoder.blocks)
-                if released:  # they ride with a later message
-                    session.give_back(released)
-            raise
-        future = Slot() if slot else Future()
+        # a plain payload needs no encoder, unless dropped results' blocks are to ride in its header
+        data = plain_submit(request_id, timeout, shm_results, payload, stream is not None) \
+            if session is None or not session.released else None
+        blocks, released, frames = None, None, [data]
+        if data is None:
+            encoder = self._placement.encoder(session)
+            # dropped results' blocks ride in the header: one message for the server to read, not two
+            released = session.take_released() if session is not None and session.released else None
+            try:
+                data = submit_message(encoder, request_id, timeout, shm_results, payload, released, stream is not None)
+            except BaseException:
+                if session is not None:
+                    session.free(encoder.blocks)
+                    if released:  # they ride with a later message
+                        session.give_back(released)
+                raise
+            blocks, frames = encoder.blocks, [data, *encoder.frames]
+        future: Any = Slot() if slot else Future()
         future.request_id = request_id
-        self._replies.add(request_id, Pending(future, "submit", time.monotonic(), encoder.blocks, session, released,
-                                              stream))
-        return future, [data, *encoder.frames] if encoder.frames else [data]
+        self._replies.add(request_id, Pending(future, "submit", time.monotonic(), blocks, session, released, stream))
+        return future, frames
 
     def _control(self, op: str, **fields: Any) -> Future:
         """Send a control op (``ping``, ``info``, ``cancel``); its future."""
