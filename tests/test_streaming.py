@@ -139,8 +139,9 @@ def test_after_close_nothing_is_taken_or_published():
 
 
 def test_offers_from_many_threads_never_exceed_max_inflight():
-    """8 threads offer at once and each answers at most the oldest pending request after its
-    offer, so the gate is kept at its limit: the requests in flight at any submit never exceed it."""
+    """8 threads offer at once and each answers the oldest pending request only after an offer of
+    its own found the gate busy, so the gate reaches its limit before anything is answered and is
+    kept there: the requests in flight at any submit never exceed it."""
     client = HandClient()
     gate, _, _ = make(client, max_inflight=2)
     start = threading.Barrier(8)
@@ -148,7 +149,10 @@ def test_offers_from_many_threads_never_exceed_max_inflight():
     def offer() -> None:
         start.wait()
         for _ in range(200):
+            busy = gate.counts["dropped_busy"]
             gate.offer(np.zeros(OBS_DIM))
+            if gate.counts["dropped_busy"] == busy:  # not (known to be) at the limit yet: answer nothing
+                continue
             for future in client.pending()[:1]:
                 try:
                     future.set_result(actions_for(np.zeros(OBS_DIM)))
@@ -156,8 +160,9 @@ def test_offers_from_many_threads_never_exceed_max_inflight():
                     pass
 
     threads = [threading.Thread(target=offer) for _ in range(8)]
-    # switch threads often: with the default 5 ms a thread may offer and answer all of its 200
-    # in one slice, and the limit is then never reached (it happened once in CI: 1 in flight at most)
+    # switch threads often, so that offers and answers of different threads interleave (answering
+    # after every offer instead, a thread could offer and answer in one slice and the limit was
+    # sometimes never reached: 1 in flight at most, about 1 run in 20)
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)
     try:
