@@ -5,7 +5,8 @@ saying so) where ``torch.cuda.is_available()`` is False.
                       (``bench.plugins:BenchProbe`` "cuda_result"): the result crosses as a CUDA-IPC
                       handle, so the round trip should cost a small multiple of nothing next to
                       copying 1 GiB on the device (``Tensor.copy_``, synchronized)
-    CUDA-IPC echo     the same engine echoes a 1 GiB CUDA tensor of this process (in and out by IPC)
+    CUDA-IPC echo     the same engine echoes a 1 GiB CUDA tensor of this process: in by IPC, out as
+                      one device copy (torch shares no memory a process received by IPC) sent by IPC
     qwen3 decode      ``bench.llm``'s random Qwen3 on cuda: tokens/s of the inline qwen3 engine at
                       concurrency 1 and 16 against ``transformers.generate`` on the same device
 """
@@ -80,7 +81,8 @@ def _ipc(ctx: RunContext, section: Section) -> None:
     size = "1 GiB" if IPC_MIB == 1024 else f"{IPC_MIB} MiB"
     labels = {"memcpy": f"device memcpy (`Tensor.copy_`, {size}, synchronized; baseline)",
               "result": f"local rank returns its {size} CUDA tensor (CUDA-IPC result)",
-              "echo": f"local rank echoes a {size} CUDA tensor of this process (CUDA-IPC in and out)"}
+              "echo": f"local rank echoes a {size} CUDA tensor of this process (CUDA-IPC in; out: one device copy "
+                      "by CUDA-IPC)"}
     rows = [[labels[k], fmt_ms(p50(s)), fmt_ms(p99(s)), ratio(p50(s), memcpy), str(len(s))]
             for k, s in samples.items()]
     section.tables.append(Table(

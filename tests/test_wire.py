@@ -579,6 +579,37 @@ def test_cuda_descriptor_carries_every_field_of_torchs_reduction(monkeypatch):
     assert list(rebuilt["args"]) == list(args)
 
 
+def test_a_tensor_received_by_cuda_ipc_goes_on_as_one_copy(monkeypatch):
+    """Without a GPU: torch refuses to share memory this process got from another (its own
+    message); the encoder then shares one clone, and any other refusal still raises."""
+    import torch.multiprocessing.reductions as reductions
+
+    from runtime.transport import cuda_ipc
+
+    received, fresh = torch.arange(6.0).reshape(2, 3), []
+    args = (torch.Tensor, torch.Size([2, 3]), (3, 1), 0, torch.storage.TypedStorage, torch.float32, 0,
+            b"\x01" * 64, 24, 0, False, b"\x02" * 16, 8, None, False)
+
+    def reduce(t):
+        if t is received:
+            raise RuntimeError("Attempted to send CUDA tensor received from another process; this is not "
+                               "currently supported. Consider cloning before sending.")
+        fresh.append(t)
+        return reductions.rebuild_cuda_tensor, args
+
+    monkeypatch.setattr(reductions, "reduce_tensor", reduce)
+    cuda_ipc.encode(received, "float32", torch)
+    assert len(fresh) == 1 and fresh[0] is not received and torch.equal(fresh[0], received)
+    assert fresh[0].data_ptr() != received.data_ptr()  # a copy, not a view of the refused memory
+
+    def refuse(t):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(reductions, "reduce_tensor", refuse)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        cuda_ipc.encode(received, "float32", torch)
+
+
 _CUDA_CHILD = r"""
 import sys, torch
 from runtime.transport.wire import TensorDecoder, unpack_message

@@ -30,13 +30,20 @@ _INT_KEYS = ("offset", "device", "storage_size_bytes", "storage_offset_bytes", "
 _KEYS = frozenset(_INT_KEYS) | {"size", "stride", "dtype", "handle", "requires_grad",
                                 "ref_counter_handle", "event_handle", "event_sync_required"}
 _DIM_BOUND = MAX_TENSOR_BYTES + 1
+#: in torch's refusal to share a tensor that this process got by CUDA IPC itself
+RECEIVED_ELSEWHERE = "received from another process"
 
 
 def encode(t: Any, name: str, torch: Any) -> msgpack.ExtType:
     """The extension of a CUDA tensor (``name``: its checked wire dtype)."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-    rebuild, args = reduce_tensor(t)
+    try:
+        rebuild, args = reduce_tensor(t)
+    except RuntimeError as exc:
+        if RECEIVED_ELSEWHERE not in str(exc):
+            raise
+        rebuild, args = reduce_tensor(t.clone())  # the one device copy of a second trip
     if rebuild is not rebuild_cuda_tensor:
         raise TypeError(f"torch reduced this CUDA tensor with {rebuild.__name__}, not CUDA IPC")
     # the argument order of rebuild_cuda_tensor in torch 2.x; classes are implied
