@@ -7,12 +7,12 @@
 
 Progress goes to stderr; once the server is up, exactly one line goes to stdout:
 
-    phyrt ready address=ipc:///tmp/phyrt-serve-x/phyrt.sock mode=local replicas=2 ranks_per_replica=2 device=cpu backend=gloo plugin=policy pid=123
+    phyrt ready address=ipc:///tmp/phyrt-serve-x/phyrt.sock mode=local replicas=2 ranks_per_replica=2 device=cpu dtype=float32 backend=gloo plugin=policy pid=123
 
 Then run a client in another terminal: ``python examples/client_call.py --address ADDRESS``.
 
 Addresses. The default is an ipc:// socket in a fresh owner-only directory (removed
-at exit). A given ipc:// path must be in a directory of this user with mode 0700.
+at exit; one left by a server killed with SIGKILL goes at the next server's start). A given ipc:// path must be in a directory of this user with mode 0700.
 tcp://HOST:PORT binds exactly HOST (127.0.0.1 when HOST is empty); any interface
 other than loopback needs a CURVE secret key (--curve-secret-key; the public key is
 derived from it) and is refused without one. Make a pair with
@@ -41,8 +41,15 @@ binds --openpi-host (127.0.0.1); any other interface needs --openpi-api-key and 
 without one (exit status 1), since that protocol has no encryption. It stops, drains and
 closes with the ZeroMQ server, before the engine closes.
 
+Devices and dtype. --devices entries are checked against the CUDA devices torch sees before
+anything starts (``runtime.serving.plan``): asking for more exits 2 with one line. --dtype auto
+is float32 on the CPU and, on CUDA, the checkpoint's dtype for --model, else bfloat16; the
+ready line and ``info()`` name the dtype chosen.
+
 Exit status: 0 after a requested stop (SIGINT or SIGTERM, during the start or after),
-1 start-up failure (the cause on stderr), 2 bad arguments, 3 no replica can serve.
+1 start-up failure (the cause on stderr), 2 bad arguments (one line on stderr: an option
+argparse refuses, an unknown plugin or arguments it refuses, a layout the visible devices
+cannot hold, a dtype the device cannot run), 3 no replica can serve.
 """
 
 from __future__ import annotations
@@ -53,7 +60,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from typing import Any
@@ -61,6 +67,8 @@ from typing import Any
 from runtime.core.heap import freeze_startup_heap
 from runtime.core.signals import SignalRelay
 from runtime.serving.cli import build_parser
+from runtime.serving.plan import BadArguments, build_engine_config, check_plugin
+from runtime.transport.owners import make_serve_dir, sweep_serve_dirs
 
 log = logging.getLogger("phyrt.launch")
 
@@ -120,45 +128,14 @@ class _Interrupted(BaseException):
 # --------------------------------------------------------------------------- configuration
 
 
-def plugin_and_args(opts: argparse.Namespace) -> tuple[str, Any]:
-    if opts.model is None:
-        return opts.plugin, opts.plugin_args
-    if opts.plugin != "policy":
-        raise ValueError(f"--model is shorthand for --plugin qwen3; it cannot go with --plugin {opts.plugin}")
-    if opts.plugin_args is not None and not isinstance(opts.plugin_args, dict):
-        raise ValueError("--plugin-args must be a JSON object when --model is given")
-    return "qwen3", {**(opts.plugin_args or {}), "model": opts.model}
-
-
-def build_engine_config(opts: argparse.Namespace) -> tuple[Any, Any]:
-    """EngineArgs and DeploymentConfig from the command line (ValueError for a bad combination)."""
-    from runtime.core.config import (AttentionParallelConfig, DenseParallelConfig, DeploymentConfig, DeviceConfig,
-                                EngineArgs, EngineConfig, ParallelConfig, WorkerSupervisorConfig)
-
-    plugin, plugin_args = plugin_and_args(opts)
-    slots = len(opts.devices) if opts.devices is not None else opts.replicas
-    if slots % opts.replicas:
-        raise ValueError(f"--devices has {slots} entries, which {opts.replicas} replicas cannot share evenly")
-    tp = slots // opts.replicas
-    parallel = ParallelConfig(dense=DenseParallelConfig(tp_size=tp), attention=AttentionParallelConfig(tp_size=tp))
-    args = EngineArgs(plugin, plugin_args, EngineConfig(device=DeviceConfig(target=opts.device), parallel=parallel))
-    deployment = DeploymentConfig(
-        replica_count=opts.replicas, devices=opts.devices,
-        replica_restarts=opts.replica_restarts, restart_backoff_s=opts.restart_backoff_s,
-        process_config=WorkerSupervisorConfig(
-            base_port=opts.base_port, execution_timeout_s=opts.execution_timeout_s,
-            heartbeat_interval_s=opts.heartbeat_interval_s, heartbeat_timeout_s=opts.heartbeat_timeout_s,
-            startup_timeout_s=opts.startup_timeout_s))
-    return args, deployment
-
-
 def resolve_address(address: str | None) -> tuple[str, str | None]:
     """The address to bind, and the private directory made for it (None if the user chose)."""
+    sweep_serve_dirs()  # socket directories of servers killed with SIGKILL
     if address is not None:
         if address.startswith("tcp://") and address[len("tcp://"):].startswith(":"):
             address = "tcp://127.0.0.1" + address[len("tcp://"):]
         return address, None
-    private = tempfile.mkdtemp(prefix="phyrt-serve-")  # mode 0700
+    private = make_serve_dir()  # mode 0700, named phyrt-serve-{pid}-: a later start can tell it is left over
     return f"ipc://{private}/phyrt.sock", private
 
 
@@ -192,13 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     front = _Front()
     started = time.monotonic()
     try:
+        args, deployment = build_engine_config(opts)
+        check_plugin(args)
         address, private_dir = resolve_address(opts.address)
         from runtime.transport.endpoints import check_address
 
         curve = curve_keys(opts)
         check_address(address, curve is not None)  # before minutes of start-up, not after
         openpi_key = _check_openpi(opts)
-        args, deployment = build_engine_config(opts)
         _log_plan(args, deployment)
         from runtime.engine import Engine
 
@@ -211,12 +189,16 @@ def main(argv: list[str] | None = None) -> int:
         metrics = front.metrics_http.metrics if front.metrics_http is not None else None
         front.server = Server(engine, address, max_inflight=opts.max_inflight,
                               max_message_bytes=opts.max_message_bytes, curve=curve, metrics=metrics,
-                              info={"device": topology["device"], "backend": topology["backend"]})
+                              info={k: topology[k] for k in ("device", "dtype", "backend")})
         engine = None  # the server owns it now
         stop = threading.Event()
         SignalRelay(_stop_handler(front, stop))  # not in the handler itself: see runtime.core.signals
         front.server.start()
         front.door = _start_openpi(opts, served, openpi_key)
+    except BadArguments as exc:
+        print(f"{build_parser().prog}: error: {exc}", file=sys.stderr, flush=True)
+        _cleanup(engine, front, private_dir, 0.0)
+        return EXIT_BAD_ARGUMENTS
     except _Interrupted as exc:
         log.info("%s while starting: stopping the start", exc)
         _cleanup(engine, front, private_dir, 0.0)
@@ -325,7 +307,7 @@ def _start_openpi(opts: argparse.Namespace, engine: Any, api_key: str | None) ->
 def _print_ready(front: _Front, topology: dict[str, Any]) -> None:
     """The one line on stdout that says the server is up, and where."""
     fields = {"address": front.server.address, **{k: topology[k] for k in
-              ("mode", "replicas", "ranks_per_replica", "device", "backend", "plugin")}, "pid": os.getpid()}
+              ("mode", "replicas", "ranks_per_replica", "device", "dtype", "backend", "plugin")}, "pid": os.getpid()}
     if front.metrics_http is not None:
         fields["metrics"] = front.metrics_http.url
     if front.door is not None:
@@ -374,10 +356,13 @@ def _log_plan(args: Any, deployment: Any) -> str:
 
 
 def _topology(engine: Any) -> dict[str, Any]:
+    from runtime.core.config import dtype_name
+
     target = engine.args.config.device.resolve_target()
     backend = "none" if engine.mode == "inline" else ("nccl" if target == "cuda" else "gloo")
     return {"mode": engine.mode, "replicas": len(engine.replicas), "ranks_per_replica": engine.ranks_per_replica,
-            "device": target, "backend": backend, "plugin": engine.args.plugin}
+            "device": target, "dtype": dtype_name(engine.args.config.device.params_dtype), "backend": backend,
+            "plugin": engine.args.plugin}
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The rank processes as the operating system sees them: the thread they are started
 from, how one died (read without reaping it), how to stop a group (SIGTERM, a grace,
-SIGKILL), whether a rendezvous port is free, and the removal of run directories whose
-engine process no longer exists.
+SIGKILL) and whether a rendezvous port is free. (Run directories whose engine process no
+longer exists are removed by ``runtime.transport.owners.sweep_run_dirs``.)
 
 Why ranks are started from a ``SpawnThread``: a rank must die within moments of its
 engine's SIGKILL whatever it is doing, a long C call that holds the GIL included, so
@@ -34,11 +34,8 @@ from multiprocessing import resource_tracker
 import multiprocessing.connection
 import os
 import queue
-import re
-import shutil
 import signal
 import socket
-import tempfile
 import threading
 import time
 from concurrent.futures import Future
@@ -217,25 +214,6 @@ def stop_ranks(processes: list[Any], polite: bool = False) -> None:
         if p.is_alive():
             p.kill()
             p.join(KILL_WAIT_S)
-
-
-def sweep_run_dirs() -> None:
-    """Remove run directories left by engine processes that no longer exist."""
-    pattern = re.compile(r"phyrt-[0-9a-f]+-([0-9]+)-")
-    root = tempfile.gettempdir()
-    for name in os.listdir(root):
-        match = pattern.match(name)
-        path = os.path.join(root, name)
-        if match is None or not os.path.isdir(path) or os.stat(path).st_uid != os.getuid():
-            continue
-        pid = int(match.group(1))
-        try:
-            os.kill(pid, 0)
-            continue  # its owner lives (or the pid was reused: leave it, it is only a directory)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except PermissionError:
-            continue
 
 
 def check_port_free(port: int, replica: int) -> None:

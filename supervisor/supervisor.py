@@ -41,6 +41,7 @@ from typing import Any
 import zmq
 
 from runtime.core.config import EngineArgs, WorkerSupervisorConfig
+from runtime.transport.owners import sweep_run_dirs
 from runtime.transport.reader import ReaderRole
 from runtime.transport.shm import ShmMapper, new_run_id, sweep_run, sweep_stale
 from runtime.transport.spin import budget_ns, usable_cores
@@ -50,7 +51,7 @@ from supervisor.boot import Launcher, Startup
 from supervisor.channel import ChannelFuture, RequestChannel
 from supervisor.failure import CLOSED, Failures
 from supervisor.groups import GroupState, lend_tensor
-from supervisor.processes import SpawnThread, sweep_run_dirs
+from supervisor.processes import SpawnThread
 from supervisor.reaping import Reaping
 from supervisor.watch import Watch
 

@@ -190,7 +190,8 @@ def test_help_lists_the_options_states_each_default_once_and_the_exit_statuses()
 
 @pytest.mark.timeout(60)
 def test_restart_and_rendezvous_options_reach_the_deployment():
-    from runtime.launch import build_engine_config, build_parser
+    from runtime.launch import build_parser
+    from runtime.serving.plan import build_engine_config
 
     parse = build_parser().parse_args
     args, deployment = build_engine_config(parse(["--devices", "0,1"]))
@@ -206,13 +207,15 @@ def test_restart_and_rendezvous_options_reach_the_deployment():
 @pytest.mark.timeout(150)
 def test_no_arguments_serves_the_policy_inline_and_sigint_cleans_up(tmp_path):
     import numpy as np
+    import torch
 
     from runtime.client import Client
 
     server = Launched(log_dir=tmp_path)
     try:
         assert server.fields["mode"] == "inline"
-        assert server.fields["device"] == "cpu"
+        # no --device is "auto": CUDA wherever torch sees a device, else the CPU
+        assert server.fields["device"] == ("cuda" if torch.cuda.is_available() else "cpu"), server.ready_line
         assert server.fields["plugin"] == "policy"
         assert server.fields["replicas"] == "1" and server.fields["ranks_per_replica"] == "1"
         path = server.address[len("ipc://"):]
@@ -230,12 +233,15 @@ def test_no_arguments_serves_the_policy_inline_and_sigint_cleans_up(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_unknown_plugin_exits_non_zero_with_the_cause():
-    out = run_launch("--plugin", "no_such_plugin_xyz", "--device", "cpu")
-    assert out.returncode == 1, out.stderr
-    assert out.stdout == ""
-    assert "startup failed" in out.stderr and "no_such_plugin_xyz" in out.stderr
-    assert "Traceback" not in out.stderr
+def test_unknown_plugin_is_a_bad_argument_with_the_cause():
+    for bad, named in ((["--plugin", "no_such_plugin_xyz"], "no_such_plugin_xyz"),
+                       (["--plugin-args", '{"obs_dim": -1}'], "obs_dim"),
+                       (["--model", "/no/such/checkpoint"], "/no/such/checkpoint")):
+        out = run_launch(*bad, "--device", "cpu")
+        assert out.returncode == 2, (bad, out.stderr)  # not 1: a process manager must not restart it
+        assert out.stdout == ""
+        assert out.stderr.startswith("python -m runtime.launch: error: ") and out.stderr.count("\n") == 1, out.stderr
+        assert named in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
 @pytest.mark.timeout(60)
@@ -246,7 +252,26 @@ def test_bad_arguments_exit_2():
         out = run_launch(*bad)
         assert out.returncode == 2 and bad[0] in out.stderr, (bad, out.stderr)
     out = run_launch("--devices", "0,1,2", "--replicas", "2")
-    assert out.returncode == 1 and "cannot share evenly" in out.stderr
+    assert out.returncode == 2 and "cannot share evenly" in out.stderr
+    out = run_launch("--dtype", "float8")
+    assert out.returncode == 2 and "--dtype" in out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_devices_beyond_the_visible_cuda_devices_exit_2_in_one_line():
+    """Checked before any rank is spawned: the line says how many entries were asked for, how many
+    devices torch sees, and that --device cpu runs the same layout."""
+    import torch
+
+    seen = torch.cuda.device_count()
+    asked = ",".join(str(i) for i in range(seen + 2))  # two more entries than this machine has
+    for device in ("cuda", "auto") if seen else ("cuda",):
+        out = run_launch("--devices", asked, "--replicas", "2" if (seen + 2) % 2 == 0 else "1", "--device", device)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+        assert f"needs {seen + 2} CUDA device entries" in out.stderr and f"torch sees {seen} CUDA" in out.stderr
+        assert "--device cpu runs the same layout on CPU ranks" in out.stderr
+        assert "phyrt-serve-" not in out.stderr  # nothing was made
 
 
 @pytest.mark.timeout(120)
@@ -320,7 +345,8 @@ def test_ctrl_c_drains_in_flight_requests_then_leaves_nothing(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_model_is_shorthand_for_the_qwen3_plugin():
-    from runtime.launch import build_parser, plugin_and_args
+    from runtime.launch import build_parser
+    from runtime.serving.plan import plugin_and_args
 
     parse = build_parser().parse_args
     assert plugin_and_args(parse(["--model", "/m"])) == ("qwen3", {"model": "/m"})
@@ -332,7 +358,8 @@ def test_model_is_shorthand_for_the_qwen3_plugin():
 
 @pytest.mark.timeout(60)
 def test_the_plan_says_when_cpu_ranks_run_with_gloo(caplog):
-    from runtime.launch import _log_plan, build_engine_config, build_parser
+    from runtime.launch import _log_plan, build_parser
+    from runtime.serving.plan import build_engine_config
 
     opts = build_parser().parse_args(["--devices", "0,1,2,3", "--replicas", "2", "--device", "cpu"])
     args, deployment = build_engine_config(opts)
@@ -341,3 +368,61 @@ def test_the_plan_says_when_cpu_ranks_run_with_gloo(caplog):
     with caplog.at_level("INFO", logger="phyrt.launch"):
         _log_plan(args, deployment)
     assert "running 4 CPU ranks with gloo" in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_dtype_auto_follows_the_device_and_the_checkpoint(tmp_path):
+    import json
+
+    from runtime.serving.plan import choose_dtype
+
+    for key, named in (("torch_dtype", "float16"), ("dtype", "bfloat16"), ("torch_dtype", "float32")):
+        model = tmp_path / f"{key}-{named}"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps({key: named}))
+        assert choose_dtype("auto", "cuda", "qwen3", {"model": str(model)}) == named
+        assert choose_dtype("auto", "cpu", "qwen3", {"model": str(model)}) == "float32"
+    assert choose_dtype("auto", "cuda", "qwen3", {"model": str(tmp_path / "missing")}) == "bfloat16"
+    assert choose_dtype("auto", "cuda", "policy", {"model": str(model)}) == "bfloat16"  # not a checkpoint's plugin
+    assert choose_dtype("float16", "cpu", "policy", None) == "float16"
+
+
+@pytest.mark.timeout(180)
+def test_dtype_reaches_the_plugin_the_ready_line_and_info(tmp_path):
+    import numpy as np
+    import torch
+
+    from runtime import DeviceConfig, Engine, EngineArgs, EngineConfig
+    from runtime.client import Client
+
+    obs = np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32)
+    reference = {}
+    for dtype in ("float32", "bfloat16"):
+        config = EngineConfig(device=DeviceConfig(target="cpu", params_dtype=dtype))
+        with Engine(EngineArgs("policy", None, config)) as engine:
+            reference[dtype] = engine.step({"obs": torch.from_numpy(obs)})["actions"].numpy()
+    server = Launched("--device", "cpu", "--dtype", "bfloat16", log_dir=tmp_path)
+    try:
+        assert server.fields["dtype"] == "bfloat16" and server.fields["device"] == "cpu", server.ready_line
+        with Client(server.address) as client:
+            assert client.info()["dtype"] == "bfloat16"
+            actions = client.call({"obs": obs}, timeout=60)["actions"]
+    finally:
+        assert server.stop() == 0, server.log()
+    off_bf16, off_f32 = (float(np.abs(actions - reference[d]).max()) for d in ("bfloat16", "float32"))
+    assert off_bf16 < off_f32 / 4, (off_bf16, off_f32)  # computed in bfloat16, not float32
+
+
+@pytest.mark.timeout(180)
+def test_a_starting_server_removes_the_directory_of_one_killed_with_sigkill(tmp_path):
+    env = {"TMPDIR": str(tmp_path)}  # its own temp root: other servers' directories are not this test's
+    first = Launched("--device", "cpu", log_dir=tmp_path, env=env)
+    left = os.path.dirname(first.address[len("ipc://"):])
+    first.kill()  # no cleanup runs
+    assert os.path.isdir(left) and os.path.basename(left).startswith(f"phyrt-serve-{first.proc.pid}-")
+    second = Launched("--device", "cpu", log_dir=tmp_path, env=env)
+    try:
+        assert not os.path.exists(left)
+        assert os.path.isdir(os.path.dirname(second.address[len("ipc://"):]))
+    finally:
+        assert second.stop() == 0, second.log()

@@ -10,9 +10,11 @@ import argparse
 import json
 from typing import Any
 
-__all__ = ["DESCRIPTION", "build_parser"]
+__all__ = ["DESCRIPTION", "DTYPES", "build_parser"]
 
 DESCRIPTION = "python -m runtime.launch: start an engine and serve it over ZeroMQ."
+#: the choices of --dtype ("auto": see runtime.serving.plan)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 _EPILOG = """\
 Without arguments: the 'policy' demo plugin, inline, on the CPU, on a private ipc:// socket.
@@ -24,7 +26,8 @@ which writes server.key (public: give it to the clients) and server.key_secret; 
 
 Exit status: 0 after a requested stop (SIGINT or SIGTERM, during the start or after),
 1 start-up failure (an --openpi-host other than loopback without --openpi-api-key is one),
-2 bad arguments, 3 no replica can serve (every replica failed and none is being rebuilt;
+2 bad arguments (also an unknown plugin, a layout beyond the visible CUDA devices, a dtype the
+device cannot run), 3 no replica can serve (every replica failed and none is being rebuilt;
 see --replica-restarts and --keep-serving-unhealthy).
 """
 
@@ -51,28 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help='the plugin\'s arguments as JSON, e.g. \'{"obs_dim": 32}\'')
     what.add_argument("--model", metavar="DIR", default=None,
                       help='shorthand for --plugin qwen3 with {"model": DIR} added to --plugin-args')
-    where = parser.add_argument_group("where it runs")
-    where.add_argument("--devices", type=_devices, default=None, metavar="0,1,2,3",
-                       help="device entries (CUDA indices, or CPU rank slots); implies local ranks")
-    where.add_argument("--replicas", type=_positive_int, default=1,
-                       help="replicas; each gets len(devices)/replicas ranks, tensor parallel over them")
-    where.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                       help="auto: cuda when torch sees a GPU, else the CPU with gloo")
-    where.add_argument("--base-port", type=_port, default=None, metavar="PORT",
-                       help="default: a free rendezvous through a file in the run directory; an int pins "
-                            "replica i to 127.0.0.1:PORT+i")
-    where.add_argument("--execution-timeout-s", type=_seconds, default=None,
-                       help="a local replica whose request runs longer is failed (default: no limit)")
-    where.add_argument("--heartbeat-interval-s", type=_seconds, default=0.5, help="rank heartbeat period")
-    where.add_argument("--heartbeat-timeout-s", type=_seconds, default=10.0,
-                       help="a rank silent this long fails its replica")
-    where.add_argument("--startup-timeout-s", type=_seconds, default=300.0, help="every rank must be ready by then")
-    where.add_argument("--replica-restarts", type=_non_negative_int, default=0, metavar="N",
-                       help="rebuild a failed local replica in the background up to N times (0: it stays down)")
-    where.add_argument("--restart-backoff-s", type=_seconds, default=1.0, metavar="S",
-                       help="wait S * 2**(k-1) seconds, at most 60, before rebuild k of a replica")
-    where.add_argument("--keep-serving-unhealthy", action="store_true",
-                       help="when no replica can serve, stay up answering EngineUnavailable (default: exit 3)")
+    _add_placement_options(parser)
     serve = parser.add_argument_group("serving")
     serve.add_argument("--address", default=None,
                        help="ipc:///path/in/a/0700/dir or tcp://HOST:PORT (default: ipc:// in a new private dir)")
@@ -99,6 +81,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                         help="how much phyrt logs to stderr (other libraries log from warning)")
     return parser
+
+
+def _add_placement_options(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_argument_group("where it runs")
+    where.add_argument("--devices", type=_devices, default=None, metavar="0,1,2,3",
+                       help="device entries (CUDA indices, or CPU rank slots); implies local ranks")
+    where.add_argument("--replicas", type=_positive_int, default=1,
+                       help="replicas; each gets len(devices)/replicas ranks, tensor parallel over them")
+    where.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                       help="auto: cuda when torch sees a GPU, else the CPU with gloo")
+    where.add_argument("--dtype", choices=DTYPES, default="auto",
+                       help="the parameters' dtype. auto: float32 on the CPU; on CUDA the checkpoint's "
+                            "torch_dtype for --model, else bfloat16")
+    where.add_argument("--base-port", type=_port, default=None, metavar="PORT",
+                       help="default: a free rendezvous through a file in the run directory; an int pins "
+                            "replica i to 127.0.0.1:PORT+i")
+    where.add_argument("--execution-timeout-s", type=_seconds, default=None,
+                       help="a local replica whose request runs longer is failed (default: no limit)")
+    where.add_argument("--heartbeat-interval-s", type=_seconds, default=0.5, help="rank heartbeat period")
+    where.add_argument("--heartbeat-timeout-s", type=_seconds, default=10.0,
+                       help="a rank silent this long fails its replica")
+    where.add_argument("--startup-timeout-s", type=_seconds, default=300.0, help="every rank must be ready by then")
+    where.add_argument("--replica-restarts", type=_non_negative_int, default=0, metavar="N",
+                       help="rebuild a failed local replica in the background up to N times (0: it stays down)")
+    where.add_argument("--restart-backoff-s", type=_seconds, default=1.0, metavar="S",
+                       help="wait S * 2**(k-1) seconds, at most 60, before rebuild k of a replica")
+    where.add_argument("--keep-serving-unhealthy", action="store_true",
+                       help="when no replica can serve, stay up answering EngineUnavailable (default: exit 3)")
 
 
 def _add_openpi_options(parser: argparse.ArgumentParser) -> None:

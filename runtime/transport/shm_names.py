@@ -1,6 +1,6 @@
 """The names of phyrt's shared-memory segments, and the sweeps that remove stale ones.
 
-Leaf module: standard library (and psutil, to tell a reused pid) only; no torch.
+Leaf module: standard library and ``owners`` (whether a creator lives: psutil tells a reused pid) only; no torch.
 
 A segment is ``/dev/shm/phyrt-{run_id}-{creator_pid}-{seq}``: the run it belongs to, the
 process that created it (its only owner), and a process-wide sequence number. A killed
@@ -18,10 +18,7 @@ import re
 import secrets
 from collections.abc import Iterable
 
-try:  # optional: detects pid reuse and zombies, which os.kill(pid, 0) cannot
-    import psutil
-except ImportError:  # pragma: no cover - psutil is a declared dependency
-    psutil = None
+from runtime.transport.owners import owner_alive
 
 SHM_DIR = "/dev/shm"
 _RUN_ID_RE = re.compile(r"[0-9a-f]{4,32}")
@@ -75,34 +72,9 @@ def _entries(prefix: str) -> list[tuple[str, re.Match[str]]]:
     return found
 
 
-def _creator_alive(pid: int, name: str) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    if psutil is None:
-        return True
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:  # dead, not yet reaped
-            return False
-        created = proc.create_time()
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.Error:
-        return True
-    try:
-        # a process younger than the segment cannot have created it: the pid was reused
-        return created <= os.stat(os.path.join(SHM_DIR, name)).st_ctime + 1.0
-    except FileNotFoundError:
-        return True  # gone already: nothing to sweep
-
-
 def sweep_stale(prefix: str = "phyrt-") -> list[str]:
     """Unlink this user's phyrt names whose creator process is gone; return them."""
-    stale = [n for n, m in _entries(prefix) if not _creator_alive(int(m.group(2)), n)]
+    stale = [n for n, m in _entries(prefix) if not owner_alive(int(m.group(2)), os.path.join(SHM_DIR, n))]
     return sorted(n for n in stale if unlink_quiet(n))
 
 
