@@ -1,8 +1,9 @@
 """The spec's local multi-GPU deployment: 4 devices, 2 replicas, tensor parallel 2.
 
-On a machine without CUDA the same layout runs as 4 CPU ranks with gloo. The actions
-match the inline engine's, because every rank of a replica loads its slice of the
-same seeded weights.
+By default (``--device cpu``) the layout runs as 4 CPU ranks with gloo, on any machine;
+``--device cuda`` (or ``auto`` where CUDA is visible) needs 4 CUDA devices and runs NCCL.
+The actions match the inline engine's, on the same device, because every rank of a
+replica loads its slice of the same seeded weights.
 
     python examples/local_replicas.py [--device cpu|cuda|auto]
 """
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     opts = parser.parse_args(argv)
 
     model_args = {"obs_dim": 32, "seed": 0}
+    device = DeviceConfig(target=opts.device)  # the local ranks and the inline reference alike
     obs = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
     started = time.monotonic()
     engine = Engine(
@@ -33,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
             plugin="policy",
             plugin_args=model_args,
             config=EngineConfig(
-                device=DeviceConfig(target=opts.device),
+                device=device,
                 parallel=ParallelConfig(
                     dense=DenseParallelConfig(tp_size=2),
                     attention=AttentionParallelConfig(tp_size=2),
@@ -48,14 +50,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         print(f"ready in {time.monotonic() - started:.1f} s: mode={engine.mode}, "
-              f"{len(engine.replicas)} replicas x {engine.ranks_per_replica} ranks")
+              f"{len(engine.replicas)} replicas x {engine.ranks_per_replica} ranks on {device.resolve_target()}")
         futures = [engine.submit({"obs": obs}) for _ in range(4)]  # spread over both replicas
         actions = [f.result()["actions"].cpu() for f in futures]
     finally:
         engine.close()
 
-    with Engine(EngineArgs(plugin="policy", plugin_args=model_args)) as inline:
-        reference = inline.step({"obs": obs})["actions"]
+    with Engine(EngineArgs(plugin="policy", plugin_args=model_args, config=EngineConfig(device=device))) as inline:
+        reference = inline.step({"obs": obs})["actions"].cpu()  # compared on the CPU, as the actions above
     worst = max(float((a - reference).abs().max()) for a in actions)
     print(f"max |local - inline| = {worst:.2e} over {len(actions)} requests")
     if worst > 1e-5:

@@ -17,6 +17,11 @@ Every rank builds the engine, reads the same requests (one per ``--prompt``, wit
 "finish_reasons": ...}`` per request; the other ranks get ``None``. Ranks given
 different requests all fail with ``RequestMismatchError`` and exit 1. (``python -m
 torch.distributed.run`` is the same launcher as ``torchrun``.)
+
+Devices: ``--device auto`` (the default) is CUDA with NCCL wherever torch sees a GPU, one
+GPU per rank (``LOCAL_RANK``), so each node needs as many visible GPUs as its
+``--nproc-per-node``; on a machine with fewer (one GPU, two ranks), or none, add
+``--device cpu``: the same ranks run on the CPU with gloo.
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--request", metavar="FILE", default=None,
                         help="a whole qwen3 request as JSON (overrides --prompt and --max-tokens)")
     parser.add_argument("--tp", type=int, default=2, help="tensor parallel size: the number of ranks in all")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="auto: cuda (one GPU per rank, NCCL) where torch sees a GPU, else cpu (gloo); "
+                             "cpu runs anywhere")
     parser.add_argument("--collective-timeout-s", type=float, default=60.0)
     opts = parser.parse_args(argv)
 

@@ -243,9 +243,10 @@ def test_a_peer_that_is_not_a_rank_is_ignored(tp2x2):
 
 @pytest.mark.timeout(120)
 def test_policy_spec_snippet_matches_inline(no_leaks_at_module_end):
-    """The spec's local multi-GPU snippet with runtime names on CPU: same actions as inline."""
+    """The spec's local multi-GPU snippet with runtime names on CPU: same actions as inline (on CPU
+    too: both sides pinned, so that the comparison is on one device wherever CUDA is visible)."""
     obs = torch.randn(4, 32, generator=torch.Generator().manual_seed(11))
-    with Engine(EngineArgs(plugin="policy")) as inline:
+    with Engine(EngineArgs(plugin="policy", config=EngineConfig(device=DeviceConfig(target="cpu")))) as inline:
         assert inline.mode == "inline"
         want = inline.step({"obs": obs})["actions"]
 

@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -252,8 +253,9 @@ def test_an_engine_restarted_at_once_on_the_same_base_port_starts():
     """The previous engine's rendezvous connections linger in TIME_WAIT for a minute: no obstacle."""
     base = free_base_port(1)
     _time_wait_on(base)
-    states = subprocess.run(["ss", "-tan", f"sport = :{base}"], capture_output=True, text=True).stdout
-    assert "TIME-WAIT" in states, states  # the obstacle this test is about is there
+    # the TCP states of the port, from /proc/net/tcp through psutil (no ss binary needed)
+    states = [c.status for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == base]
+    assert psutil.CONN_TIME_WAIT in states, states  # the obstacle this test is about is there
     deployment = DeploymentConfig.local(devices=(0, 1), process_config=WorkerSupervisorConfig(base_port=base))
     engine = Engine(engine_args(parallel=tp_parallel(2)), deployment)
     try:

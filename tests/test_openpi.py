@@ -10,6 +10,8 @@ and a clean SIGTERM.
 from __future__ import annotations
 
 import concurrent.futures
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -30,7 +32,7 @@ from websockets.sync.client import connect  # noqa: E402
 from runtime import Engine, EngineArgs  # noqa: E402
 from runtime.serving.openpi import OpenpiDoor  # noqa: E402
 from tests import plugins  # noqa: E402
-from tests.test_launch import Launched, run_launch  # noqa: E402
+from tests.test_launch import ROOT, Launched, run_launch  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,6 +68,12 @@ def _obs(seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(OBS_DIM).astype(np.float32)
 
 
+def _actions(engine, obs: np.ndarray) -> np.ndarray:
+    """The engine's own actions for a batch ``obs``, as numpy: read on the CPU, since the policy
+    engine runs where DeviceConfig "auto" puts it (CUDA when visible), as the door's results do."""
+    return engine.step({"obs": torch.from_numpy(obs)})["actions"].cpu().numpy()
+
+
 def _array(data: bytes, dtype: str, shape: list) -> dict:
     return {b"__ndarray__": True, b"data": data, b"dtype": dtype, b"shape": shape}
 
@@ -78,7 +86,7 @@ def test_metadata_names_the_server_plugin_replicas_and_the_callers_own(client):
 def test_infer_gives_the_engines_actions_for_one_unbatched_observation(client, policy_engine):
     obs = _obs(1)
     result = client.infer({"obs": obs})
-    expected = policy_engine.step({"obs": torch.from_numpy(obs[None])})["actions"][0].numpy()
+    expected = _actions(policy_engine, obs[None])[0]
     assert result["actions"].shape == (8, 7) and result["actions"].dtype == np.float32
     np.testing.assert_array_equal(result["actions"], expected)
 
@@ -86,11 +94,11 @@ def test_infer_gives_the_engines_actions_for_one_unbatched_observation(client, p
 def test_action_chunk_broker_steps_through_a_chunk_then_asks_again(client, policy_engine):
     broker = ActionChunkBroker(client, action_horizon=8)
     first, second = _obs(2), _obs(3)
-    chunk = policy_engine.step({"obs": torch.from_numpy(first[None])})["actions"][0].numpy()
+    chunk = _actions(policy_engine, first[None])[0]
     steps = [broker.infer({"obs": first})["actions"] for _ in range(8)]
     np.testing.assert_array_equal(np.stack(steps), chunk)
     after = broker.infer({"obs": second})["actions"]  # the chunk is used up: a new inference
-    np.testing.assert_array_equal(after, policy_engine.step({"obs": torch.from_numpy(second[None])})["actions"][0, 0])
+    np.testing.assert_array_equal(after, _actions(policy_engine, second[None])[0, 0])
 
 
 @pytest.mark.parametrize("obs, expected", [
@@ -168,7 +176,7 @@ def test_without_batch_dim_arrays_pass_unchanged(policy_engine):
             assert policy.get_server_metadata()["batch_dim"] is False
             obs = np.stack([_obs(4), _obs(5)])
             result = policy.infer({"obs": obs})
-            np.testing.assert_array_equal(result["actions"], policy_engine.step({"obs": torch.from_numpy(obs)})["actions"])
+            np.testing.assert_array_equal(result["actions"], _actions(policy_engine, obs))
         finally:
             policy._ws.close()
 
@@ -219,7 +227,7 @@ def test_many_connections_at_once_each_get_their_own_answers(door, policy_engine
         try:
             for i in range(5):
                 obs = _obs(seed * 100 + i)
-                expected = policy_engine.step({"obs": torch.from_numpy(obs[None])})["actions"][0].numpy()
+                expected = _actions(policy_engine, obs[None])[0]
                 np.testing.assert_array_equal(policy.infer({"obs": obs})["actions"], expected)
         finally:
             policy._ws.close()
@@ -254,6 +262,30 @@ def test_a_result_without_the_batch_dimension_cannot_be_sent():
     with pytest.raises(TypeError, match="result.x: a value of type object cannot be sent"):
         encode_result({"x": object()}, batch_dim=True)
     assert msgpack.unpackb(encode_result({"a": torch.ones(1, 2, dtype=torch.bfloat16)}, True))["a"][b"dtype"] == "<f4"
+
+
+DECODE_WARNS_NOTHING = r"""
+import warnings
+import numpy as np
+from openpi_client import msgpack_numpy
+from runtime.serving.openpi_codec import decode_observation
+message = msgpack_numpy.packb({"image": np.zeros((2, 3), np.uint8), "gripper": np.array([5], np.uint8)})
+warnings.simplefilter("error")  # torch's "The given buffer is not writable" would raise here
+obs = decode_observation(message, batch_dim=True)
+obs["gripper"] += 1  # a plugin that normalizes in place
+obs["image"][0, 0, 0] = 7
+assert obs["gripper"].tolist() == [[6]] and obs["image"].sum() == 7
+assert bytes([5])[0] == 5, bytes([5])  # the interpreter's shared one-byte object is untouched
+print("ok")
+"""
+
+
+def test_decoding_an_observation_warns_nothing_and_its_tensors_are_the_plugins_to_write():
+    # a fresh interpreter: torch warns of a non-writable buffer once per process, so an earlier
+    # test of this session may have used that warning up
+    out = subprocess.run([sys.executable, "-c", DECODE_WARNS_NOTHING], cwd=ROOT, capture_output=True, text=True,
+                         timeout=50)
+    assert out.returncode == 0 and out.stdout == "ok\n", out.stderr
 
 
 def test_close_drains_then_disconnects_and_frees_the_port(echo_engine):

@@ -1,5 +1,5 @@
-"""README's "Serve your own model", step by step: a trained ``TinyPolicy`` in a safetensors file,
-served by ``examples.own_policy.plugin:OwnPolicy`` inline, through the README's launch command
+"""docs/own-model.md ("Serve your own model"), step by step: a trained ``TinyPolicy`` in a safetensors
+file, served by ``examples.own_policy.plugin:OwnPolicy`` inline, through the launch command of that page
 and a ``runtime.client.Client``, and refused clearly when the file or the observation is wrong."""
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ import torch
 
 from examples.own_policy.make_weights import train
 from examples.own_policy.model import TinyPolicyConfig, load_policy, save_policy
-from runtime import Engine, EngineArgs
+from runtime import DeviceConfig, Engine, EngineArgs, EngineConfig
 from tests.test_launch import ROOT, Launched, run_launch
 
 PLUGIN = "examples.own_policy.plugin:OwnPolicy"
 CONFIG = TinyPolicyConfig(obs_dim=6, horizon=3, action_dim=2, hidden=16)
+#: the inline engines compared with the module on the CPU run there too, wherever CUDA is visible
+CPU = EngineConfig(device=DeviceConfig(target="cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -32,23 +34,30 @@ def weights(tmp_path_factory):
     return path
 
 
-def direct_actions(path, obs: np.ndarray) -> np.ndarray:
-    """What the module, loaded without phyrt, answers."""
+def direct_actions(path, obs: np.ndarray, device: str = "cpu", dtype: str = "float32") -> np.ndarray:
+    """What the module, loaded without phyrt, answers: on ``device`` in ``dtype``, as the plugin runs it."""
+    dtype = getattr(torch, dtype)
     with torch.inference_mode():
-        return load_policy(path)(torch.from_numpy(obs)).numpy()
+        model = load_policy(path, device).to(dtype)
+        return model(torch.from_numpy(obs).to(device, dtype)).float().cpu().numpy()
 
 
 def readme_launch_args() -> list[str]:
-    """The arguments of the README's launch command for this plugin."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Serve your own model"):]
-    line = next(l for l in section.splitlines() if l.startswith("python -m runtime.launch") and PLUGIN in l)
-    return shlex.split(line)[3:]
+    """The arguments of the launch command for this plugin, the same in README.md's "Serve your own
+    model" and in docs/own-model.md, which walks through it."""
+    found = []
+    for doc, heading in (("README.md", "## Serve your own model"), ("docs/own-model.md", "# Serve your own model")):
+        text = (ROOT / doc).read_text()
+        section = text[text.index(heading):]
+        line = next(l for l in section.splitlines() if l.startswith("python -m runtime.launch") and PLUGIN in l)
+        found.append(shlex.split(line)[3:])
+    assert found[0] == found[1], found
+    return found[0]
 
 
 def test_inline_engine_gives_the_actions_of_the_module_loaded_directly(weights):
     obs = np.random.default_rng(0).standard_normal((5, CONFIG.obs_dim)).astype(np.float32)
-    with Engine(EngineArgs(plugin=PLUGIN, plugin_args={"weights": str(weights)})) as engine:
+    with Engine(EngineArgs(plugin=PLUGIN, plugin_args={"weights": str(weights)}, config=CPU)) as engine:
         actions = engine.step({"obs": torch.from_numpy(obs)})["actions"]
         from_numpy64 = engine.step({"obs": obs.astype(np.float64)})["actions"]
     assert actions.shape == (5, CONFIG.horizon, CONFIG.action_dim) and actions.dtype == torch.float32
@@ -104,10 +113,14 @@ def test_the_readme_launch_command_serves_it_to_a_client(weights, tmp_path, extr
     try:
         assert server.fields["plugin"] == PLUGIN
         assert server.fields["mode"] == ("local" if extra else "inline")
+        # the command names no device: the reference runs where the server does, in its dtype
+        device, dtype = server.fields["device"], server.fields.get("dtype", "float32")
+        atol = 1e-6 if dtype == "float32" else 1e-2  # 16 bits: an ulp or two near 1
         obs = np.random.default_rng(1).standard_normal((2, CONFIG.obs_dim)).astype(np.float32)
         with Client(server.address) as client:
             actions = client.call({"obs": obs}, timeout=30)["actions"]
-            np.testing.assert_allclose(actions, direct_actions(weights, obs), rtol=0, atol=1e-6)
+            assert actions.dtype == np.float32
+            np.testing.assert_allclose(actions, direct_actions(weights, obs, device, dtype), rtol=0, atol=atol)
             with pytest.raises(InvalidRequestError, match=r"obs must have shape \[B >= 1, 6\], got \[1, 4\]"):
                 client.call({"obs": np.zeros((1, 4), np.float32)}, timeout=30)
             assert client.call({"obs": obs[:1]}, timeout=30)["actions"].shape == (1, 3, 2)

@@ -3,13 +3,19 @@
 Inline (tp 1) and local (tp 2 over gloo) engines give the greedy tokens of
 ``transformers.generate``, alone, as one multi-prompt request and as 16 concurrent
 requests; seeded sampling, stop tokens, EOS and preemption; requests are checked in
-the caller. The lock-step agreement of ``models/qwen3/runner.py`` is also driven
-directly: this file runs as two gloo rank processes (``python this_file CKPT RANK
-WORLD PORT OUT_DIR``) that add the same requests in awkward orders.
+the caller. The inline engines run where DeviceConfig "auto" puts them (CUDA when it is
+visible, with CUDA graphs on): their tokens are plain lists, compared with those of
+``transformers``; the CPU-only features (oneDNN packing, the KV cache sized from host
+memory) are checked on engines pinned to cpu wherever CUDA is visible too, and on CUDA the
+KV cache's shape against what graphs make of it there (one more block, the padding block).
+The lock-step agreement of ``models/qwen3/runner.py`` is also driven directly: this file
+runs as two gloo rank processes (``python this_file CKPT RANK WORLD PORT OUT_DIR``) that
+add the same requests in awkward orders.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 import threading
@@ -72,6 +78,17 @@ def runner_of(engine: Engine):
     return engine._dispatcher.executors[0]._core.runner
 
 
+CPU = EngineConfig(device=DeviceConfig(target="cpu"))
+
+
+def on_cpu(stack: contextlib.ExitStack, engine: Engine, plugin_args: dict) -> Engine:
+    """``engine`` when it runs on the CPU, else an inline engine of ``plugin_args`` pinned to cpu
+    (closed with ``stack``): for the CPU-only features."""
+    if runner_of(engine).device.type == "cpu":
+        return engine
+    return stack.enter_context(Engine(EngineArgs("qwen3", plugin_args, CPU)))
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("qwen3")
@@ -130,9 +147,16 @@ def test_greedy_matches_transformers_inline(inline, reference, name):
 
 
 def test_linear_layers_are_packed_on_the_cpu_and_f_linear_gives_the_same_tokens(inline, ckpt, reference):
-    runner = runner_of(inline["gqa"])
-    assert runner.packed_layers == 2 * 4 + 1  # per layer qkv, o, gate_up, down; the head
-    with Engine(EngineArgs("qwen3", {"model": str(ckpt["gqa"]), "packed_weights": False})) as plain:
+    """oneDNN packing is a CPU feature: checked on engines pinned to cpu (on CUDA nothing is packed)."""
+    if runner_of(inline["gqa"]).device.type != "cpu":
+        assert runner_of(inline["gqa"]).packed_layers == 0  # F.linear wherever the model is not on the CPU
+    with contextlib.ExitStack() as stack:
+        packed = on_cpu(stack, inline["gqa"], {"model": str(ckpt["gqa"])})
+        assert runner_of(packed).packed_layers == 2 * 4 + 1  # per layer qkv, o, gate_up, down; the head
+        if packed is not inline["gqa"]:  # (the inline engine's tokens are checked above)
+            assert greedy(packed, PROMPTS)["token_ids"] == reference["gqa"]
+        plain = stack.enter_context(Engine(EngineArgs("qwen3", {"model": str(ckpt["gqa"]), "packed_weights": False},
+                                                      CPU)))
         assert runner_of(plain).packed_layers == 0
         assert greedy(plain, PROMPTS)["token_ids"] == reference["gqa"]
 
@@ -240,11 +264,21 @@ def test_preemption_keeps_the_greedy_tokens(ckpt, reference):
             engine.submit({"prompt_token_ids": [1] * 60, "max_tokens": 30})
 
 
-def test_kv_cache_derived_from_memory_when_not_given(inline):
+def test_kv_cache_derived_from_memory_when_not_given(inline, ckpt):
+    """From available host memory on the CPU (a CPU feature: pinned to cpu), from free CUDA memory
+    on a GPU; either way capped at what max_num_seqs (64) sequences of max_position_embeddings
+    (256) could use."""
     runner = runner_of(inline["tied"])
-    # capped at what max_num_seqs (64) sequences of max_position_embeddings (256) could use
-    assert runner.num_blocks == 64 * 256 // 16
-    assert runner.kv_cache.shape == (2, 2, runner.num_blocks, 16, 4, 16)
+    if runner.device.type == "cuda":
+        assert runner.num_blocks == 64 * 256 // 16
+        # CUDA graphs are on by default there: the cache holds one more block, the padding block
+        assert runner.cuda_graphs.startswith("on") and runner.decoder is not None and runner.decoder.graphs
+        assert runner.kv_cache.shape == (2, 2, runner.num_blocks + 1, 16, 4, 16)
+    with contextlib.ExitStack() as stack:
+        runner = runner_of(on_cpu(stack, inline["tied"], {"model": str(ckpt["tied"])}))
+        assert runner.num_blocks == 64 * 256 // 16
+        assert runner.decoder is None  # no static decode on the CPU unless asked: no padding block
+        assert runner.kv_cache.shape == (2, 2, runner.num_blocks, 16, 4, 16)
 
 
 # --------------------------------------------------------------------------- validation in the caller

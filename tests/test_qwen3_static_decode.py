@@ -335,9 +335,14 @@ def request(prompts, max_tokens: int = 24) -> dict:
     return {"prompt_token_ids": prompts, "max_tokens": max_tokens}
 
 
+#: the engines here are about the static buffers run eagerly, which is what the CPU does (on a
+#: CUDA device graphs would be on, with capture widths): pinned to cpu wherever CUDA is visible too
+CPU = EngineConfig(device=DeviceConfig(target="cpu"))
+
+
 def test_engine_static_decode_matches_transformers(plugin_ckpt, plugin_reference, caplog):
     args = {"model": str(plugin_ckpt), "static_decode": True, "block_size": 4, "max_num_seqs": 8}
-    with caplog.at_level(logging.INFO, logger="phyrt.qwen3"), Engine(EngineArgs("qwen3", args)) as engine:
+    with caplog.at_level(logging.INFO, logger="phyrt.qwen3"), Engine(EngineArgs("qwen3", args, CPU)) as engine:
         runner = runner_of(engine)
         # 3 prompts of 1, 5 and 17 tokens decode together, padded to 4
         assert engine.step(request(PLUGIN_PROMPTS[:3]), timeout=120)["token_ids"] == plugin_reference[:3]
@@ -357,7 +362,7 @@ def test_engine_static_decode_matches_transformers(plugin_ckpt, plugin_reference
 
 def test_engine_decodes_eagerly_what_the_static_shapes_do_not_fit(plugin_ckpt, plugin_reference):
     args = {"model": str(plugin_ckpt), "static_decode": True, "block_size": 4, "max_seq_len_to_capture": 24}
-    with Engine(EngineArgs("qwen3", args)) as engine:
+    with Engine(EngineArgs("qwen3", args, CPU)) as engine:
         runner = runner_of(engine)
         # the 17-token prompt decodes on the static buffers while it holds up to 24 tokens (7 steps), then
         # eagerly; the 40-token one eagerly throughout
@@ -365,7 +370,7 @@ def test_engine_decodes_eagerly_what_the_static_shapes_do_not_fit(plugin_ckpt, p
         assert runner.decoder.max_width == 6 and runner.decoder.steps == {(1, 5): 3, (1, 6): 4}
         assert engine.step(request(PLUGIN_PROMPTS[3]), timeout=120)["token_ids"] == plugin_reference[3:]
         assert runner.num_static_steps == 7 and runner.num_steps == 48
-    with Engine(EngineArgs("qwen3", {"model": str(plugin_ckpt)})) as engine:  # default on CPU: eager only
+    with Engine(EngineArgs("qwen3", {"model": str(plugin_ckpt)}, CPU)) as engine:  # default on CPU: eager only
         assert engine.step(request(PLUGIN_PROMPTS[:2]), timeout=120)["token_ids"] == plugin_reference[:2]
         assert runner_of(engine).decoder is None and runner_of(engine).num_static_steps == 0
 

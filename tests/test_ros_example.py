@@ -1,15 +1,16 @@
 """examples/ros_policy_node.py against a real ROS 1 master; examples/ros2_policy_node.py compiles.
 
     rosmaster --core -p PORT        (Debian's ROS 1, system Python)
-    python -m runtime.launch --address ipc://...   (this venv: the policy demo, inline)
+    python -m runtime.launch --address ipc://... --device cpu   (this venv: the policy demo, inline)
     /usr/bin/python3 examples/ros_policy_node.py   (rospy + the torch-free client, PYTHONPATH=repo)
     /usr/bin/python3 <publisher script>            (publishes observations, records the actions)
 
 rospy lives in the system Python, not in this venv, so the ROS side runs as
 separate ``/usr/bin/python3`` processes; the reference actions come from an inline
-``Engine`` in this process. Skipped when ``/usr/bin/python3`` cannot import rospy
-(``.ci/run`` installs Debian's packages: python3-rospy python3-rosmaster
-python3-std-msgs python3-zmq python3-msgpack python3-numpy).
+``Engine`` in this process, on the CPU as the server (wherever CUDA is visible too).
+Skipped when ``/usr/bin/python3`` cannot import rospy (``.ci/run`` installs Debian's
+packages: python3-rospy python3-rosmaster python3-std-msgs python3-zmq python3-msgpack
+python3-numpy).
 """
 
 from __future__ import annotations
@@ -141,12 +142,13 @@ def _master_up(uri: str) -> bool:
 
 
 def _reference(obs: np.ndarray) -> np.ndarray:
-    """The policy's actions for each row, one request each (as the node sends them)."""
+    """The policy's actions for each row, one request each (as the node sends them), on the CPU
+    as the test's server runs it."""
     import torch
 
-    from runtime import Engine, EngineArgs
+    from runtime import DeviceConfig, Engine, EngineArgs, EngineConfig
 
-    engine = Engine(EngineArgs(plugin="policy"))
+    engine = Engine(EngineArgs(plugin="policy", config=EngineConfig(device=DeviceConfig(target="cpu"))))
     try:
         return np.stack([engine.step({"obs": torch.from_numpy(row[None])})["actions"][0].numpy() for row in obs])
     finally:
@@ -182,8 +184,9 @@ def test_ros_policy_node_publishes_the_policy_actions(tmp_path):
     try:
         master = subprocess.Popen(["rosmaster", "--core", "-p", str(port)], stdout=master_log,
                                   stderr=subprocess.STDOUT, env=_system_env(**ros), start_new_session=True)
-        server = Launched("--address", f"ipc://{private}/phyrt.sock", log_dir=tmp_path)
+        server = Launched("--address", f"ipc://{private}/phyrt.sock", "--device", "cpu", log_dir=tmp_path)
         assert server.fields["plugin"] == "policy" and server.fields["mode"] == "inline"
+        assert server.fields["device"] == "cpu"
         assert wait_until(lambda: _master_up(ros["ROS_MASTER_URI"]), 30), (tmp_path / "rosmaster.log").read_text()
         pids |= _tree(master)
 

@@ -39,12 +39,12 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def inline_policy():
-    """The reference: the same plugin, inline, in this process."""
+    """The reference: the same plugin, inline, in this process, on the CPU as the server's ranks are."""
     import torch
 
-    from runtime import Engine, EngineArgs
+    from runtime import DeviceConfig, Engine, EngineArgs, EngineConfig
 
-    engine = Engine(EngineArgs(plugin="policy"))
+    engine = Engine(EngineArgs(plugin="policy", config=EngineConfig(device=DeviceConfig(target="cpu"))))
 
     def actions(obs: np.ndarray) -> np.ndarray:
         return engine.step({"obs": torch.from_numpy(obs)})["actions"].numpy()
