@@ -161,11 +161,18 @@ def test_qwen3_cancel_mid_stream_frees_the_kv_blocks(where, request):
         assert len(bm._free) == bm.num_blocks
 
 
-def test_qwen3_stream_deadline(inline):
-    with pytest.raises(TimeoutError):
-        for _ in inline.stream(full_length(), timeout=0.05):
-            pass
-    assert inline.step(full_length(), timeout=120)["finish_reasons"] == ["length"]
+def test_qwen3_stream_that_ended_in_time_is_read_whole_after_its_deadline(inline):
+    """``timeout`` bounds when a stream's chunks come, not when they are read: a generation that
+    ended before its deadline is handed out whole after it, no ``TimeoutError``. (A deadline
+    that a stream passes is tested with a plugin whose pace the test sets, not raced against
+    the model's speed: ``tests/test_stream_deadline.py``.)"""
+    request, deadline = text_request(4), 2.0
+    want = inline.step(request)
+    start = time.monotonic()
+    stream = inline.stream(request, timeout=deadline)
+    assert wait_until(stream.call.future.done, deadline / 2, 0.005), "4 tokens took over half the deadline"
+    time.sleep(max(0.0, start + deadline - time.monotonic()) + 0.1)
+    assert joined(list(stream)) == want
 
 
 # -- through the server ----------------------------------------------------------------------------

@@ -13,6 +13,11 @@ Invariants:
 - Chunks come in ``seq`` order (``runtime.client.replies`` checks it); a gap fails the stream.
 - Leaving a stream early cancels it on the server (its runner frees what it holds); the
   request stays in flight here until the server's final reply, which is dropped.
+- ``timeout`` follows ``runtime.core.streams``' rule, on this client's clock from the
+  submit: what the reader handed over before the deadline is handed out, however late the
+  caller reads; then ``DeadlineExceededError``, and the request is cancelled on the server.
+  The server holds the same ``timeout_s`` from when its engine takes the request (a little
+  later), so its own ``DeadlineExceeded`` comes after this client's deadline.
 - What a stream holds waiting is what the server sent and the caller did not take yet: at
   most the request's own chunks (the server keeps none; see the protocol's flow control).
 """
@@ -25,7 +30,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from runtime.client.errors import DeadlineExceededError
-from runtime.core.streams import ChunkStream
+from runtime.core.streams import EXPIRED, ChunkStream
 
 __all__ = ["StreamState", "ClientStream", "AsyncClientStream"]
 
@@ -58,19 +63,22 @@ class _Base(ChunkStream):
 class ClientStream(_Base):
     """The chunks of one request as they come (``Client.stream``): iterate, or ``close()``.
 
-    ``timeout`` bounds the whole stream: past it ``next()`` raises ``DeadlineExceededError``.
-    A server error ends it with its ``ServerError`` subclass; a lost connection or the
-    client's ``close()`` with ``ConnectionLostError``. Leaving early (``close()``, leaving a
-    ``with`` block, or dropping the iterator) cancels the request on the server.
+    ``timeout`` bounds the whole stream, from ``stream()`` to its end: the chunks (and the end)
+    received before the deadline are handed out even when read after it; ``next()`` raises
+    ``DeadlineExceededError`` where it would wait past the deadline (or reach a chunk that came
+    after it), and the request is cancelled on the server. A server error ends it with its
+    ``ServerError`` subclass; a lost connection or the client's ``close()`` with
+    ``ConnectionLostError``. Leaving early (``close()``, leaving a ``with`` block, or dropping
+    the iterator) cancels the request on the server.
     """
 
     def __init__(self, address: str, timeout: float | None) -> None:
         super().__init__(address, timeout)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.state = StreamState(self._queue.put)
+        self.state = StreamState(self._arrivals(self._queue.put))
 
     def start(self, future: Future, cancel: Callable[[], None]) -> "ClientStream":
-        self._start(future, cancel, self._queue.put)
+        self._start(future, cancel)
         return self
 
     def __iter__(self) -> "ClientStream":
@@ -91,7 +99,9 @@ class ClientStream(_Base):
 
 
 class AsyncClientStream(_Base):
-    """``ClientStream`` for asyncio (``AsyncClient.stream``): ``async for``, ``aclose()``."""
+    """``ClientStream`` for asyncio (``AsyncClient.stream``): ``async for``, ``aclose()``; the same
+    ``timeout``. Its deadline is a timer of the loop that puts ``EXPIRED`` into the queue, so
+    chunks the reader handed over before it (through the loop) come out first."""
 
     def __init__(self, address: str, timeout: float | None, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(address, timeout)
@@ -104,11 +114,11 @@ class AsyncClientStream(_Base):
             except RuntimeError:  # the loop is closed: nobody iterates any more
                 pass
 
-        self._put = put
-        self.state = StreamState(put)
+        self.state = StreamState(self._arrivals(put))
+        self._timer = None if timeout is None else loop.call_later(self._left(), items.put_nowait, EXPIRED)
 
     def start(self, future: Future, cancel: Callable[[], None]) -> "AsyncClientStream":
-        self._start(future, cancel, self._put)
+        self._start(future, cancel)
         return self
 
     def __aiter__(self) -> "AsyncClientStream":
@@ -117,11 +127,11 @@ class AsyncClientStream(_Base):
     async def __anext__(self) -> Any:
         if self._finished:
             raise StopAsyncIteration
-        try:
-            item = await asyncio.wait_for(self._queue.get(), self._left())
-        except asyncio.TimeoutError:
-            raise self._expired() from None
-        return self._item(item)
+        return self._item(await self._queue.get())
+
+    def _ended(self) -> None:
+        if self._timer is not None:  # (the loop's thread: the end read, aclose() or the deadline)
+            self._timer.cancel()
 
     async def aclose(self) -> None:
         """Leave the stream (cancelled on the server if still running). Idempotent."""

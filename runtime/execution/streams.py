@@ -5,7 +5,8 @@
       executor: call.future <- the last chunk       the supervisor's reader)
       call.cancel() -> the executor's cancel hook   (bound once the request is queued)
     Engine.stream(request, timeout) -> Stream: an iterator over a StreamCall whose chunks go
-      into a queue; leaving it early (break, close(), garbage collection) cancels the call
+      into a queue; leaving it early (break, close(), garbage collection) cancels the call,
+      and so does its deadline (``runtime.core.streams`` states the rule)
 
 Invariants:
 - A chunk put after ``cancel()`` is dropped, and ``on_chunk`` is never called after it.
@@ -70,8 +71,11 @@ class StreamCall:
 class Stream(ChunkStream):
     """Iterates the chunks of one streamed request (``Engine.stream``).
 
-    ``timeout`` bounds the whole stream: past it ``next()`` raises ``TimeoutError`` and
-    the request is cancelled. A failure of the replica raises its error
+    ``timeout`` bounds the whole stream, from ``Engine.stream`` to its end: the chunks (and the
+    end) that arrived before the deadline are handed out even when read after it; ``next()``
+    raises ``TimeoutError`` where it would wait past the deadline (or reach what came after
+    it), and the request is cancelled (at the latest then; already when a chunk arrives
+    late, even while nobody reads). A failure of the replica raises its error
     (``EngineUnavailableError``); a plugin's error for the request, the plugin's own.
     ``close()`` (also on ``break`` out of a ``with`` block, or when the iterator is
     collected) cancels a request still running.
@@ -80,12 +84,12 @@ class Stream(ChunkStream):
     def __init__(self, timeout: float | None = None) -> None:
         super().__init__(timeout)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.call = StreamCall(self._queue.put)
+        self.call = StreamCall(self._arrivals(self._queue.put))
 
     def start(self, future: Future) -> "Stream":
         """Bind the request's future (its last chunk); the caller owns the stream from here."""
         self.call.future = future
-        self._start(future, self.call.cancel, self._queue.put)
+        self._start(future, self.call.cancel)
         return self
 
     def __iter__(self) -> "Stream":
