@@ -6,9 +6,10 @@
 
 One small request, ``{"obs": float32 [1, 32]}`` (128 bytes of tensor; the floor echoes the same
 bytes as a msgpack ``bin``), timed call by call: the C++ program times its own calls with
-``steady_clock`` and writes them to a file; the Python paths use ``bench.common.timed``. The C++
-examples are built here first (``cmake --build --target client_call``, Release) into the run's
-work directory; without cmake, g++ or the Debian packages the section says so and measures nothing.
+``steady_clock`` and writes them to a file (``{"round_trip_ns": [...]}``); the Python paths use
+``bench.common.timed``. The C++ examples are built here first (``cmake --build --target client_call``,
+Release) into the run's work directory; without cmake, g++ or the Debian packages the section says so
+and measures nothing.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _cpp_samples(binary: str, address: str, iters: int, out: str) -> list[int]:
     if done.returncode != 0:
         raise RuntimeError(f"client_call failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
     with open(out) as f:
-        return json.load(f)
+        return json.load(f)["round_trip_ns"]
 
 
 def run(ctx: RunContext) -> Section:

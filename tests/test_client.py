@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -592,6 +594,52 @@ def test_a_silent_server_fails_in_flight_requests_after_the_heartbeat_timeout(tm
     finally:
         client.close()
         assert server.stop() == 0, server.log()
+
+
+# --------------------------------------------------------------------------- a wrong ipc:// address
+
+
+def _stale_socket(path: Path) -> None:
+    """A socket file nobody listens on, as a killed server leaves its own."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.bind(str(path))
+
+
+@pytest.mark.timeout(10)  # the old behaviour waited for heartbeat_timeout_s (20 s here), then "no word"
+@pytest.mark.parametrize("kind, why", [("missing", "no socket at {path}"), ("file", "{path} is not a socket"),
+                                       ("stale", "nothing listens at {path} (connection refused")])
+def test_a_wrong_ipc_address_fails_each_request_at_once_naming_the_path(tmp_path, kind, why):
+    path = tmp_path / "phyrt.sock"
+    if kind == "file":
+        path.write_text("not a socket")
+    elif kind == "stale":
+        _stale_socket(path)
+    expected = re.escape(why.format(path=path))
+    with Client(f"ipc://{path}", heartbeat_timeout_s=20.0) as client:
+        with pytest.raises(ServerUnavailableError, match=expected):
+            client.call({"x": 1}, timeout=30)
+        with pytest.raises(ServerUnavailableError, match=expected):
+            client.submit({"x": 1})
+        with pytest.raises(ServerUnavailableError, match=expected):
+            client.ping(timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_a_client_made_before_its_server_listens_is_served_once_it_does(tmp_path):
+    private = tmp_path / "sock"
+    private.mkdir(mode=0o700)
+    address = f"ipc://{private}/echo.sock"
+    _stale_socket(private / "echo.sock")  # a killed server's leftover, which the next one replaces
+    with Client(address) as client:
+        with pytest.raises(ServerUnavailableError, match="nothing listens at"):
+            client.call({"x": 1}, timeout=30)
+        server = Launched("--plugin", "tests.plugins:Echo", "--device", "cpu", "--address", address,
+                          "--log-level", "warning", log_dir=tmp_path)
+        try:
+            assert wait_until(lambda: _answers(client), 30)
+            assert client.call({"x": 2}, timeout=30) == {"x": 2}
+        finally:
+            assert server.stop() == 0, server.log()
 
 
 # --------------------------------------------------------------------------- the reader: callers read the socket

@@ -1,7 +1,7 @@
 """The C++ client (cpp/include/phyrt) and examples/cpp against real ``runtime.launch`` servers.
 
-    cmake -S examples/cpp -B BUILD; cmake --build BUILD      once per session (cpp_build), reused
-                                                           while the sources stay the same
+    cmake -S examples/cpp -B BUILD; cmake --build BUILD      once per session (cpp_build), BUILD in
+                                                           the session's temporary directory
     build/client_call --address ADDR   vs runtime.client.Client on the same server, same input
     build/ros_policy_node              vs a real rosmaster, driven from /usr/bin/python3 (rospy)
 
@@ -12,11 +12,11 @@ libzmq3-dev cppzmq-dev libmsgpack-cxx-dev libroscpp-dev libstd-msgs-dev, cmake, 
 from __future__ import annotations
 
 import ast
-import hashlib
 import json
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -31,11 +31,10 @@ from tests.test_launch import Launched, free_port, shm_names_of, wait_until
 from tests.test_ros_example import PUBLISHER, ROS_PYTHON, _master_up, _ros_missing, _stop, _system_env
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = sorted([*(ROOT / "cpp" / "include" / "phyrt").glob("*.hpp"), *(ROOT / "examples" / "cpp").iterdir()])
 PACKAGES = "apt-get install cmake g++ pkg-config libzmq3-dev cppzmq-dev libmsgpack-cxx-dev libroscpp-dev libstd-msgs-dev"
 OBS_DIM, HORIZON, ACT_DIM = 32, 8, 7
 #: client_call's exit codes (examples/cpp/client_call.cpp)
-INVALID_REQUEST, DEADLINE_EXCEEDED, CONNECTION_LOST = 3, 4, 8
+INVALID_REQUEST, DEADLINE_EXCEEDED, SERVER_UNAVAILABLE, CONNECTION_LOST = 3, 4, 7, 8
 
 
 # Compiled by the test session (roundtrip fixture) against cpp/include: one tensor of each wire dtype,
@@ -101,18 +100,15 @@ def _cpp_missing() -> str | None:
 
 
 @pytest.fixture(scope="session")
-def cpp_build() -> Path:
-    """The examples, built once into a directory named by the sources' digest (reused, incrementally)."""
+def cpp_build(tmp_path_factory) -> Path:
+    """The examples, built once per session (about 15 s on 2 cores) in the session's temporary
+    directory, which pytest removes with its other old ones: nothing is left in /tmp for good."""
     reason = _cpp_missing()
     if reason is not None:
         pytest.skip(reason)
-    # the checkout's path too: CMake's cache names its source directory, so two checkouts cannot share one
-    digest = hashlib.sha256(str(ROOT).encode() + b"".join(p.name.encode() + p.read_bytes()
-                                                          for p in SOURCES)).hexdigest()[:16]
-    build = Path(tempfile.gettempdir()) / f"phyrt-cpp-examples-{digest}"
-    for old in build.parent.glob("phyrt-cpp-examples-*"):  # builds of other sources: never used again
-        if old != build:
-            shutil.rmtree(old, ignore_errors=True)
+    for old in Path(tempfile.gettempdir()).glob("phyrt-cpp-examples-*"):  # where earlier versions built, for good
+        shutil.rmtree(old, ignore_errors=True)
+    build = tmp_path_factory.mktemp("cpp-examples")
     for step in (["cmake", "-S", str(ROOT / "examples" / "cpp"), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release"],
                  ["cmake", "--build", str(build), "-j2"]):
         done = subprocess.run(step, capture_output=True, text=True, timeout=900)
@@ -173,6 +169,38 @@ def test_a_bad_request_comes_back_as_invalid_request_error(cpp_build, policy_ser
     assert out.stdout == ""
     assert "phyrt error: InvalidRequestError: ValueError: policy obs must have shape [B, 32], got [1, 31]" \
         in out.stderr, out.stderr
+
+
+@pytest.mark.timeout(900)
+def test_help_prints_the_options_and_exits_0(cpp_build):
+    out = subprocess.run([str(cpp_build / "client_call"), "--help"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: client_call --address ADDRESS") and out.stderr == ""
+    assert re.search(r"--latency-out PATH .*round trip in\s+nanoseconds", out.stdout), out.stdout
+
+
+@pytest.mark.timeout(900)
+def test_calls_write_their_round_trips_in_nanoseconds(cpp_build, policy_server, tmp_path):
+    out = client_call(cpp_build, policy_server.address, "--calls", "3", "--latency-out", str(tmp_path / "rt.json"))
+    assert out.returncode == 0, out.stderr
+    round_trips = json.loads((tmp_path / "rt.json").read_text())["round_trip_ns"]
+    assert len(round_trips) == 3 and all(1_000 < ns < 30 * 10**9 for ns in round_trips), round_trips  # 1 µs .. 30 s
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kind, why", [("missing", "no socket at {path}"), ("file", "{path} is not a socket"),
+                                       ("stale", "nothing listens at {path} (connection refused")])
+def test_a_wrong_ipc_address_fails_at_once_naming_the_path(cpp_build, tmp_path, kind, why):
+    path = tmp_path / "phyrt.sock"
+    if kind == "file":
+        path.write_text("not a socket")
+    elif kind == "stale":
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.bind(str(path))  # a socket file nobody listens on, as a killed server leaves its own
+    # the old behaviour waited for heartbeat_timeout_s (20 s here, past this timeout), then "no word"
+    out = client_call(cpp_build, f"ipc://{path}", "--heartbeat-timeout-s", "20", timeout=10)
+    assert out.returncode == SERVER_UNAVAILABLE, out.stderr
+    assert f"phyrt error: ServerUnavailableError: {why.format(path=path)}" in out.stderr, out.stderr
 
 
 def _inflight(address: str) -> int:

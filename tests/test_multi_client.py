@@ -9,6 +9,7 @@ EngineUnavailable or to turn healthy on cue.
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -108,6 +109,17 @@ def test_requests_go_to_the_server_with_fewest_in_flight_ties_in_turn(servers):
             client.call({"i": i}, timeout=30)
         served = {s["address"]: s["served"] for s in client.info()["servers"]}
         assert served == {a: 6, b: 6}
+        # one server busy with a long request: the next ones, one at a time, all go to the other
+        assert wait_until(lambda: all(s["inflight"] == 0 for s in client.info()["servers"]), 10)
+        slow = client.submit({"sleep": 3.0})
+        for i in range(3):
+            client.call({"i": i}, timeout=30)  # call: its in-flight count is down again when it returns
+        held = not slow.done()
+        assert slow.result(30) == {"sleep": 3.0}
+        other = b if slow.server == a else a
+        after = {s["address"]: s["served"] for s in client.info()["servers"]}
+        delta = {k: after[k] - served[k] for k in after}
+        assert delta == {slow.server: 1, other: 3}, f"served: {delta}; long request in flight to the end: {held}"
 
 
 @pytest.mark.timeout(120)
@@ -160,6 +172,38 @@ def test_async_client_over_several_servers(servers):
 
 
 @pytest.mark.timeout(60)
+def test_info_right_after_connecting_shows_the_serving_servers_up(servers):
+    a, b = servers.addresses["a"], servers.addresses["b"]
+    with Client([a, b], **FAST) as client:
+        info = client.info(timeout=10)  # before the routing thread's first probe could answer
+        assert [(s["state"], s["error"]) for s in info["servers"]] == [(UP, None), (UP, None)], info
+        assert info["in_rotation"] == 2
+        assert states(client) == {a: UP, b: UP}  # in the rotation from then on
+
+
+@pytest.mark.timeout(60)
+def test_a_wrong_ipc_path_among_several_is_out_at_once_naming_the_path(servers, tmp_path):
+    a = servers.addresses["a"]
+    missing, stale = tmp_path / "missing.sock", tmp_path / "stale.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.bind(str(stale))  # a socket file nobody listens on
+    wrong = {f"ipc://{missing}": f"no socket at {missing}", f"ipc://{stale}": f"nothing listens at {stale}"}
+    with Client([*wrong, a], heartbeat_interval_s=1.0, heartbeat_timeout_s=20.0) as client:
+        assert [client.call({"i": i}, timeout=30) for i in range(3)] == [{"i": 0}, {"i": 1}, {"i": 2}]
+        assert client.submit({"i": 3}).result(30) == {"i": 3}
+        by_address = {s["address"]: s for s in client.info(timeout=10)["servers"]}
+        assert by_address[a]["state"] == UP and by_address[a]["served"] == 4
+        for address, why in wrong.items():
+            assert by_address[address]["state"] == DOWN and why in by_address[address]["cause"], by_address
+    with Client(list(wrong), heartbeat_interval_s=1.0, heartbeat_timeout_s=20.0) as client:
+        with pytest.raises(ServerUnavailableError, match="no server is in the rotation") as raised:
+            client.call({"x": 1}, timeout=30)  # at once, not after heartbeat_timeout_s
+        assert set(raised.value.causes) == set(wrong)
+        for address, why in wrong.items():
+            assert why in raised.value.causes[address], raised.value.causes
+
+
+@pytest.mark.timeout(60)
 def test_with_every_server_down_a_call_fails_at_once_naming_each_cause(servers):
     a, b = servers.addresses["a"], servers.addresses["b"]
     with Client([a, b], **FAST) as client:
@@ -199,7 +243,7 @@ class FakeClient:
         self.alive = True
         self.sent: list[Any] = []
         self.closed = False
-        self._replies = SimpleNamespace(server_id="id-" + address, last_heard=time.monotonic())
+        self._replies = SimpleNamespace(server_id="id-" + address, last_heard=time.monotonic(), unreachable=None)
         self.made[address] = self
         threading.Thread(target=self._beat, daemon=True).start()
 
@@ -253,8 +297,9 @@ def test_engine_unavailable_takes_a_server_out_without_retry_until_a_probe_finds
         first.result(1)
     assert x.sent[-1] == {"n": 0} and {"n": 0} not in y.sent  # never retried elsewhere
     assert [client.submit({"n": i}).server for i in range(4)] == ["tcp://y:1"] * 4
-    time.sleep(0.5)  # probed meanwhile: it answers, but with no healthy replica it stays out
-    assert "replica 0 failed" in client.info()["servers"][0]["cause"]
+    # probed meanwhile (after a back-off): it answers, but with no healthy replica it stays out
+    assert wait_until(lambda: "replica 0 failed" in (client.info()["servers"][0]["cause"] or ""), 10)
+    assert states(client)["tcp://x:1"] == DOWN
     x.answer, x.healthy = None, True
     assert wait_until(lambda: states(client)["tcp://x:1"] == UP, 5)
 

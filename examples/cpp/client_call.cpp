@@ -7,7 +7,8 @@
 // as {"shape": [...], "data": [...]} (floats written with 9 significant digits: exact for float32).
 // An error prints "phyrt error: <ExceptionClass>: <message>" on stderr and exits with the code of
 // its class (see exit_code below). --calls N then times N more calls and writes their round trips
-// in nanoseconds, as a JSON list, to --latency-out (python -m bench's "cpp" section reads it).
+// to --latency-out as {"round_trip_ns": [...]}, in nanoseconds (python -m bench's "cpp" section reads
+// it). --help prints the options.
 // --print KEY prints the result's tensor KEY instead (an echo plugin answers "obs"). --sleep-s S
 // adds "sleep": S to the request, which tests.plugins:Echo honours: the tests hold a request in
 // flight with it.
@@ -34,6 +35,25 @@ int exit_code(const std::exception& e) {  // the most derived class first
   return 1;
 }
 
+const char kUsage[] =
+    "usage: client_call --address ADDRESS [options]\n"
+    "Sends the policy demo's request {\"obs\": float32 [1, obs-dim]} (element i = 0.01 * i) to a phyrt server\n"
+    "and prints the result's tensor as {\"shape\": [...], \"data\": [...]}.\n"
+    "  --address ADDRESS         the server's address, from its \"phyrt ready\" line (required)\n"
+    "  --obs-dim N               floats in the observation (32)\n"
+    "  --timeout-s S             each call's deadline, in seconds (30)\n"
+    "  --print KEY               the result's tensor to print (actions)\n"
+    "  --sleep-s S               adds \"sleep\": S to the request (tests.plugins:Echo sleeps that long)\n"
+    "  --calls N                 then times N more calls\n"
+    "  --latency-out PATH        where --calls writes {\"round_trip_ns\": [...]}: each call's round trip in\n"
+    "                            nanoseconds (default: stderr)\n"
+    "  --heartbeat-interval-s S  (1)   --heartbeat-timeout-s S  (5)\n"
+    "  --server-public-key K --secret-key K [--public-key K]   CURVE keys, z85 text\n"
+    "  --help                    this text\n"
+    "An error prints \"phyrt error: <Class>: <message>\" on stderr and exits 3 InvalidRequestError,\n"
+    "4 DeadlineExceededError, 5 OverloadedError, 6 PluginError, 7 ServerUnavailableError,\n"
+    "8 ConnectionLostError, 9 HandshakeError, 10 another ServerError, 11 ProtocolError; 2 bad arguments.\n";
+
 const char* class_name(int code) {
   static const std::map<int, const char*> names = {
       {3, "InvalidRequestError"}, {4, "DeadlineExceededError"}, {5, "OverloadedError"},
@@ -57,6 +77,7 @@ struct Options {
   std::uint64_t obs_dim = 32;
   double timeout_s = 30, sleep_s = 0;
   int calls = 0;
+  bool help = false;
   phyrt::ClientOptions client;
 };
 
@@ -64,6 +85,10 @@ Options parse(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") {
+      o.help = true;
+      return o;
+    }
     if (i + 1 >= argc) throw std::invalid_argument("missing the value of " + flag);
     std::string value = argv[++i];
     if (flag == "--address") o.address = value;
@@ -91,10 +116,12 @@ int main(int argc, char** argv) {
   try {
     o = parse(argc, argv);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "usage: client_call --address ADDRESS [--obs-dim 32] [--timeout-s 30] [--calls N "
-                         "--latency-out PATH] [--print actions] [--sleep-s S] [--heartbeat-interval-s 1 --heartbeat-timeout-s 5] "
-                         "[--server-public-key K --secret-key K]\n%s\n", e.what());
+    std::fprintf(stderr, "usage: client_call --address ADDRESS [options] (--help lists them)\n%s\n", e.what());
     return 2;
+  }
+  if (o.help) {
+    std::fputs(kUsage, stdout);
+    return 0;
   }
   std::vector<float> obs(o.obs_dim);
   for (std::size_t i = 0; i < obs.size(); ++i) obs[i] = 0.01f * static_cast<float>(i);
@@ -115,9 +142,9 @@ int main(int argc, char** argv) {
                          .count());
       }
       std::ofstream out(o.latency_out.empty() ? "/dev/stderr" : o.latency_out);
-      out << "[";
+      out << "{\"round_trip_ns\": [";
       for (std::size_t i = 0; i < ns.size(); ++i) out << (i ? ", " : "") << ns[i];
-      out << "]\n";
+      out << "]}\n";
     }
   } catch (const std::exception& e) {
     int code = exit_code(e);

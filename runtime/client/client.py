@@ -97,7 +97,9 @@ class Client:
     ``public_key``/``secret_key`` (z85 text or key files); without them the client
     speaks plain ZMQ. A handshake the server refuses (keys missing, wrong or not
     authorized) fails the requests in flight and later ones with ``HandshakeError`` (a
-    ``ConnectionLostError``) naming the cause, within moments.
+    ``ConnectionLostError``) naming the cause, within moments. While no server listens at an
+    ``ipc://`` address (no socket at its path, or a stale one) each request fails at once with
+    ``ServerUnavailableError`` naming the path; once one listens there, requests go out.
 
     ``Client([address, ...])`` (a list or tuple) returns a ``RoutingClient`` over those
     servers, with the same verbs, the keyword arguments above for each server, and
@@ -129,6 +131,7 @@ class Client:
         if shm_on:
             sweep_stale()  # names left by phyrt processes that were killed
         self._replies = Replies(address, tensor_type, shm_on)
+        self._replies.look()
         wake_io = WakePipe()
         self._role = ReaderRole(self._replies.awaiting, wake_io.wake, self._replies.lock)
         try:

@@ -58,7 +58,8 @@ class PluginError(ServerError):
 
 
 class ServerUnavailableError(ServerError, EngineUnavailableError):
-    """The server's engine cannot serve (closed, shutting down, no healthy replica); or, from a
+    """The server's engine cannot serve (closed, shutting down, no healthy replica); or no server
+    listens at the client's ipc:// path (raised by the client, naming the path); or, from a
     client over several servers (``Client([address, ...])``), none of them is in its rotation:
     ``causes`` then maps each address to that server's last cause, which the message names too."""
 

@@ -31,7 +31,8 @@ Invariants:
   id or a lost connection fails everything in flight and drops the session (its views
   stay valid; their releases are dropped: that server frees the whole session).
 - While ``refused`` (the server refused our handshake) a request fails at ``add`` with
-  ``HandshakeError``; a refusal for good (libzmq gave the address up) stays.
+  ``HandshakeError``; a refusal for good (libzmq gave the address up) stays. While ``unreachable``
+  (no server listens at the ipc:// path) it fails there with ``ServerUnavailableError``, naming the path.
 - Every future is completed once (``runtime.core.futures.resolve``), by ``complete``.
 """
 
@@ -47,11 +48,13 @@ from typing import Any, Callable
 import msgpack
 import zmq
 
-from runtime.client.errors import ConnectionLostError, HandshakeError, ServerError, error_from_reply
+from runtime.client.errors import (ConnectionLostError, HandshakeError, ServerError, ServerUnavailableError,
+                                   error_from_reply)
 from runtime.client.headers import register_header
 from runtime.client.shm import ShmSession
 from runtime.core.errors import ProtocolError
 from runtime.core.futures import resolve
+from runtime.transport.endpoints import ipc_unreachable
 from runtime.transport.protocol import SUBMIT_REPLY_PREFIX, TensorResolver, numpy_tensor, numpy_view, torch_tensor, torch_view, unpack_header
 from runtime.transport.shm import sweep_stale
 
@@ -126,6 +129,7 @@ class Replies:
         self.broken: str | None = None  # why the I/O thread died, if it did
         self.refused: str | None = None  # why the server refused our handshake, while it does
         self.refused_for_good = False  # libzmq gave the address up: no handshake will follow
+        self.unreachable: str | None = None  # why no server listens at the ipc:// path, while none does (``look``)
 
     def wants_shm(self) -> bool:
         """Shared memory is on and not refused, but no usable session exists (yet)."""
@@ -136,16 +140,27 @@ class Replies:
         """Under ``lock``: some reply is still due."""
         return bool(self.pending or self.held or self.awaited)
 
+    def look(self) -> None:
+        """Whether a server listens at our ``ipc://`` path (``unreachable``: why not); the client asks at
+        its start, and ``add`` again while none did."""
+        self.unreachable = ipc_unreachable(self.address)
+
     def add(self, request_id: int, pending: Pending) -> None:
         """A request about to be sent; ConnectionLostError (its blocks freed) once closed or broken,
-        HandshakeError while the server refuses our handshake."""
+        HandshakeError while the server refuses our handshake, ServerUnavailableError while no server
+        listens at the ipc:// path (looked at again for each request: it may have come up since)."""
+        if self.unreachable is not None:
+            self.look()
         with self.lock:
-            if self.closed or self.broken or self.refused:
+            if self.closed or self.broken or self.refused or self.unreachable:
                 if pending.session is not None:
                     pending.session.free(pending.blocks)
-                if self.refused and not (self.closed or self.broken):
+                if self.closed or self.broken:
+                    raise ConnectionLostError(f"the client of {self.address} is {self.broken or 'closed'}")
+                if self.refused:
                     raise HandshakeError.for_request(self.refused, request_id)
-                raise ConnectionLostError(f"the client of {self.address} is {self.broken or 'closed'}")
+                raise ServerUnavailableError.for_request(f"{self.unreachable}: is the server running, with this "
+                                                         "address on its ready line?", request_id)
             self.pending[request_id] = pending
 
     def unsent(self, request_id: int, reason: str, failed: list) -> None:

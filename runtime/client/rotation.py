@@ -6,11 +6,13 @@ Torch-free; imports the client's errors only. The rule is the in-process dispatc
     state      how it got there                                        routed to
     STARTING   added; no answer yet                                    only while no server is UP
     UP         a probe answered: ping, then info (accepting, a         yes: fewest in flight,
-               healthy replica)                                        ties round-robin
+               healthy replica); or RoutingClient.info's answer        ties round-robin
+               showed the same (``answered``)
     DOWN       a request failed with ServerUnavailableError            never; probed with backoff
                (EngineUnavailable, ConnectionLost, Handshake), the     (PROBE_FIRST_S doubling up to
                connection was lost, heartbeats went unanswered for     PROBE_MAX_S) until a probe
-               heartbeat_timeout_s, or a probe failed                  answers: then UP
+               heartbeat_timeout_s, a probe failed, or (added so)      answers: then UP
+               no server listened at its ipc:// path
 
 Invariants:
 - ``choose`` and the chosen server's in-flight increment happen under ``lock``, so concurrent
@@ -31,7 +33,7 @@ from typing import Any, Callable, Iterable
 
 from runtime.client.errors import ServerUnavailableError
 
-__all__ = ["DOWN", "PROBE_FIRST_S", "PROBE_MAX_S", "STARTING", "UP", "Rotation", "Server"]
+__all__ = ["DOWN", "PROBE_FIRST_S", "PROBE_MAX_S", "STARTING", "UP", "Rotation", "Server", "serving_cause"]
 
 STARTING, UP, DOWN = "starting", "up", "down"
 #: the first probe of a server that left the rotation, and the longest wait between probes
@@ -47,9 +49,9 @@ class Server:
     def __init__(self, address: str, client: Any, now: float) -> None:
         self.address = address
         self.client = client
-        self.state = STARTING
+        self.cause: str | None = client._replies.unreachable  # why it last left the rotation
+        self.state = STARTING if self.cause is None else DOWN  # no server listens at its ipc:// path: out at once
         self.inflight = 0
-        self.cause: str | None = None  # why it last left the rotation
         self.epoch = 0  # bumped at each UP
         self.added = now
         self.backoff = PROBE_FIRST_S
@@ -164,9 +166,7 @@ class Rotation:
         with self.lock:
             server.probing = False
             if cause is None:
-                server.state, server.cause = UP, None
-                server.epoch += 1
-                server.backoff = PROBE_FIRST_S
+                self._up(server)
                 return
             if server.state == UP:
                 return
@@ -176,6 +176,21 @@ class Rotation:
             server.state, server.cause = DOWN, cause
             server.next_probe = now + server.backoff
             server.backoff = min(server.backoff * 2, PROBE_MAX_S)
+
+    def answered(self, address: str, info: Any) -> None:
+        """``info`` answered outside a probe (``RoutingClient.info``): a server it shows serving is UP,
+        as a probe that passed would make it, once its connection knows the server (a ping answered)."""
+        with self.lock:
+            server = next((s for s in self.servers if s.address == address), None)
+            if server is not None and serving_cause(address, info) is None and not connection_lost(server.client):
+                self._up(server)
+
+    def _up(self, server: Server) -> None:
+        """Under ``lock``: in the rotation (a new epoch), unless it is already."""
+        if server.state != UP:
+            server.state, server.cause = UP, None
+            server.epoch += 1
+        server.backoff = PROBE_FIRST_S
 
     def report(self) -> list[dict[str, Any]]:
         with self.lock:
@@ -189,6 +204,16 @@ def connection_lost(client: Any) -> bool:
     A single-address client forgets the server's id when that happens and learns it again from
     the next ping answered (``runtime.client.replies``)."""
     return client._replies.server_id is None
+
+
+def serving_cause(address: str, info: Any) -> str | None:
+    """None when a server's ``info`` answer shows it serving (accepting, a healthy replica); else why not."""
+    replicas = (info.get("replicas") or []) if isinstance(info, dict) else []
+    if isinstance(info, dict) and info.get("accepting", True) and any(
+            isinstance(r, dict) and r.get("healthy") for r in replicas):
+        return None
+    causes = "; ".join(str(r.get("error")) for r in replicas if isinstance(r, dict) and r.get("error"))
+    return f"{address} answers but cannot serve: {causes or 'not accepting requests'}"
 
 
 def silent_s(client: Any, now: float) -> float:

@@ -10,7 +10,8 @@ the request and its reply go straight between the caller and that server.
                            or a stream started on it (in flight until its final reply)
       <- the server's future; its done callback: Rotation.release (in flight -1; a
          ServerUnavailableError, ConnectionLostError included, takes the server out)
-    info(): every server's ``info`` at once, with its state in the rotation
+    info(): every server's ``info`` at once (a server not UP: a ping first), with its state in the
+      rotation; an answer that shows a server serving puts it in the rotation, as a probe would
     thread "phyrt-routing" (every ``min(0.1, heartbeat_interval_s / 2)`` s):
       Rotation.check(): a lost connection or missed heartbeats take a server out;
       a server out (or not yet answered) due for a probe: ping, then info (accepting,
@@ -41,7 +42,7 @@ from concurrent.futures import wait as wait_futures
 from typing import Any, Callable, Sequence
 
 from runtime.client.errors import ServerUnavailableError
-from runtime.client.rotation import Rotation, Server
+from runtime.client.rotation import UP, Rotation, Server, serving_cause
 from runtime.client.streams import ClientStream
 from runtime.core.futures import resolve
 
@@ -155,7 +156,8 @@ class RoutingClient:
     def info(self, timeout: float = 5.0) -> dict[str, Any]:
         """Every server: ``address``, ``state`` ("up", "starting" or "down"), ``in_rotation``,
         ``inflight`` (this client's), ``served``, ``cause`` (why it last left), and ``info`` (the
-        server's own answer) or ``error`` (why there is none); ``in_rotation``, the count."""
+        server's own answer) or ``error`` (why there is none); ``in_rotation``, the count. A server
+        whose answer shows it serving is "up" (in the rotation from then on, as after a probe)."""
         gathered, futures = self._gather_info()
         wait_futures(list(futures.values()), timeout)
         if not gathered.done():
@@ -239,6 +241,8 @@ class RoutingClient:
         futures: dict[str, Future] = {}
         for server in list(self._rotation.servers):
             try:
+                if server.state != UP:  # answered before the info: its client then knows the server
+                    server.client._control_async("ping")
                 futures[server.address] = server.client._control_async("info")
             except Exception as exc:
                 futures[server.address] = failed = Future()
@@ -259,6 +263,9 @@ class RoutingClient:
         return gathered, futures
 
     def _report(self, futures: dict[str, Future]) -> dict[str, Any]:
+        for address, future in futures.items():  # an answer that shows a server serving: as a probe's
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self._rotation.answered(address, future.result())
         servers = self._rotation.report()
         for entry in servers:
             future = futures.get(entry["address"])
@@ -306,15 +313,7 @@ class RoutingClient:
             if error is not None:
                 self._rotation.probed(server, f"{type(error).__name__}: {error}")
                 return
-            info = future.result()
-            replicas = (info.get("replicas") or []) if isinstance(info, dict) else []
-            healthy = any(isinstance(r, dict) and r.get("healthy") for r in replicas)
-            if isinstance(info, dict) and info.get("accepting", True) and healthy:
-                self._rotation.probed(server, None)
-            else:
-                causes = "; ".join(str(r.get("error")) for r in replicas if isinstance(r, dict) and r.get("error"))
-                self._rotation.probed(server, f"{server.address} answers but cannot serve: "
-                                              f"{causes or 'not accepting requests'}")
+            self._rotation.probed(server, serving_cause(server.address, future.result()))
 
         def on_ping(future: Future) -> None:
             error = future.exception()

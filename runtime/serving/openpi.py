@@ -42,7 +42,6 @@ import logging
 import os
 import socket
 import threading
-import warnings
 from concurrent.futures import Future
 from http import HTTPStatus
 from typing import Any
@@ -122,8 +121,6 @@ class OpenpiDoor:
         self._idle: asyncio.Event | None = None
         self._drain_timeout_s = 0.0
         self._handlers: set[asyncio.Task] = set()
-        # request tensors are deliberately read-only views of the received bytes
-        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
     @property
     def url(self) -> str:

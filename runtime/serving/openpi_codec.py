@@ -7,8 +7,8 @@ bytes keys, and whose numpy scalars likewise::
     {b"__npgeneric__": True, b"data": 1.5, b"dtype": "<f4"}
 
     decode_observation(message, batch_dim)     untrusted bytes -> the engine's request:
-                                               arrays become torch tensors (views of the
-                                               received bytes, read-only), a leading
+                                               arrays become torch tensors (one copy each,
+                                               the plugin's to write), a leading
                                                dimension of 1 added when batch_dim
     encode_result(result, batch_dim)           the plugin's result -> bytes: tensors and
                                                arrays as numpy maps, that dimension removed
@@ -111,7 +111,10 @@ def _array(obj: dict, batch_dim: bool, path: str) -> torch.Tensor:
         shape = [1, *shape]
     if count == 0:  # torch.frombuffer refuses empty buffers
         return torch.empty(shape, dtype=getattr(torch, name))
-    return torch.frombuffer(data, dtype=getattr(torch, name), count=count).reshape(shape)
+    # copied: msgpack made ``data`` an immutable bytes object (a one-byte one is the interpreter's
+    # shared b"\xNN"), and torch has no read-only tensors, so a view would let an in-place op of the
+    # plugin change it. One memcpy of the array (an image of 150 KB: ~10 µs) next to msgpack's own.
+    return torch.frombuffer(bytearray(data), dtype=getattr(torch, name), count=count).reshape(shape)
 
 
 def _scalar(obj: dict, batch_dim: bool, path: str) -> torch.Tensor:

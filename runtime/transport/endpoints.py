@@ -1,4 +1,4 @@
-"""Where a server may listen, and the CURVE keys that guard it.
+"""Where a server may listen, the CURVE keys that guard it, and whether one listens at an ipc:// path.
 
 Leaf module: imports nothing from the project, and pyzmq's ``zmq.auth`` only
 when a key file is read, so that the torch-free client loads its keys from here too.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 import stat
 from dataclasses import dataclass
 
@@ -67,6 +68,39 @@ def check_address(address: str, curve: bool) -> None:
                              "or use tcp://127.0.0.1:PORT for this host only")
         return
     raise ValueError(f"address must be ipc:///path or tcp://host:port, got {address!r}")
+
+
+def ipc_unreachable(address: str) -> str | None:
+    """Why no server can answer at an ``ipc://`` address: no socket file at its path, a file that
+    is not a socket, or a socket nobody listens on (left by a server that is gone); None when one
+    listens, or for another transport. libzmq retries such a connect silently, so without this a
+    request would wait for the heartbeat timeout; a plain AF_UNIX connect tells at once."""
+    if not address.startswith("ipc://"):
+        return None
+    path = address[len("ipc://"):]
+    if path.startswith("@"):  # abstract: no file to look at, the connect alone tells
+        target = "\0" + path[1:]
+    else:
+        target = path
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return f"no socket at {path}"
+        except OSError as exc:
+            return f"cannot look at {path}: {exc.strerror}"
+        if not stat.S_ISSOCK(st.st_mode):
+            return f"{path} is not a socket"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)  # a listener with a full backlog answers EAGAIN: it listens
+        try:
+            probe.connect(target)
+        except BlockingIOError:
+            return None
+        except ConnectionRefusedError:
+            return f"nothing listens at {path} (connection refused: a socket file left by a server that is gone?)"
+        except OSError as exc:
+            return f"cannot connect to {path}: {exc.strerror or exc}"
+    return None
 
 
 def _is_loopback(host: str) -> bool:

@@ -1,4 +1,4 @@
-// phyrt::Client: a header-only C++17 client of a phyrt server (cppzmq + msgpack-cxx), from PROTOCOL.md.
+// phyrt::Client: a header-only C++17 client of a phyrt server (cppzmq + msgpack-cxx), from docs/protocol.md.
 //
 //   caller threads                                           I/O thread ("phyrt-client")       server
 //   submit(payload, timeout) / call(...): encode (one copy of
@@ -11,6 +11,8 @@
 //                                                            socket monitor (HandshakeWatch): a connection
 //                                                            lost after its handshake fails everything in
 //                                                            flight; a refused handshake -> HandshakeError
+//   no server listening at an ipc:// path (ipc_unreachable, at connect and again at each request
+//   while so): submit throws ServerUnavailableError naming the path, at once
 //
 // Invariants:
 // - Only the I/O thread touches the DEALER socket and its monitor; callers hand it messages through
@@ -18,7 +20,7 @@
 // - Every request completes exactly once: its reply, a failure here (lost connection, silence, a
 //   send that could not go, close()), or call()'s deadline; completions run with no lock held, on
 //   the I/O thread (or on the thread that failed them).
-// - Tensors go as frames only: no shared memory (PROTOCOL.md says what ipc:// peers may add).
+// - Tensors go as frames only: no shared memory (docs/protocol.md says what ipc:// peers may add).
 // - close() (also the destructor) fails what is in flight, joins the thread, closes the sockets.
 #pragma once
 
@@ -35,6 +37,7 @@
 #include <unordered_map>
 
 #include "phyrt/codec.hpp"
+#include "phyrt/endpoint.hpp"
 #include "phyrt/handshake.hpp"
 #include "phyrt/inflight.hpp"
 
@@ -70,6 +73,7 @@ class Client {
       monitor_.set(zmq::sockopt::linger, 0);
       monitor_.connect(endpoint);
       sock_.connect(address_);
+      unreachable_ = ipc_unreachable(address_);
       thread_ = std::thread([this] { run(); });
     } catch (...) {
       ::close(wake_[0]);
@@ -211,6 +215,9 @@ class Client {
       std::lock_guard<std::mutex> lock(mutex_);
       if (closed_) throw ConnectionLostError("the client of " + address_ + " is closed", id);
       if (refused_) throw HandshakeError(*refused_, id);
+      if (unreachable_) unreachable_ = ipc_unreachable(address_);  // it may have come up since
+      if (unreachable_)
+        throw ServerUnavailableError(*unreachable_ + ": is the server running, with this address on its ready line?", id);
       inflight_.add(id, std::move(done));
       outbox_.emplace_back(id, std::move(message));
     }
@@ -397,10 +404,11 @@ class Client {
   std::atomic<bool> closed_{false};
   std::atomic<std::uint64_t> next_id_{0};
   InFlight inflight_;
-  std::mutex mutex_;  // outbox_, refused_, refused_for_good_
+  std::mutex mutex_;  // outbox_, refused_, refused_for_good_, unreachable_
   std::deque<std::pair<std::optional<std::uint64_t>, std::vector<zmq::message_t>>> outbox_;
   std::optional<std::string> refused_;
   bool refused_for_good_ = false;
+  std::optional<std::string> unreachable_;  // why no server listens at the ipc:// path, while none does
   // the I/O thread's alone
   Clock::time_point last_heard_ = Clock::now();
   std::string server_id_;
