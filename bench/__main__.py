@@ -21,7 +21,9 @@ Sections (run in this order; ``--only`` picks some):
     llm        qwen3 plugin against transformers.generate: tokens/s against concurrency
     gpu        CUDA-IPC of 1 GiB from a local rank, qwen3 decode on CUDA (skipped without CUDA)
 
-Writes OUT/latest.md, OUT/latest.json and the plots (OUT/*.png); progress goes to stderr.
+Writes OUT/latest.md, OUT/latest.json and the plots (OUT/*.png); progress goes to stderr. OUT is
+``--out DIR``, by default ``default_out()`` (``~/.cache/phyrt/bench``), outside the checkout: the
+committed report in bench/results changes only with ``--out bench/results``.
 
 Spawned children (ranks, echo servers, bare torch ranks) re-import this module as
 ``__mp_main__``: its top level imports nothing heavy and runs nothing.
@@ -34,7 +36,19 @@ import os
 import sys
 
 SECTIONS = ("latency", "compute", "serving", "fleet", "cpp", "openpi", "scaling", "lifecycle", "collectives", "llm", "gpu")
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+#: the committed report (the last full run on the 2-core CI-like machine): written only when asked for
+COMMITTED_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def default_out() -> str:
+    """Where a run writes its report when ``--out`` is not given: outside the checkout, so that a
+    benchmark leaves the committed ``bench/results`` (report and plots together) as it was:
+    ``$XDG_CACHE_HOME/phyrt/bench`` (an absolute ``XDG_CACHE_HOME`` only, as the XDG spec says),
+    else ``~/.cache/phyrt/bench``."""
+    cache = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(cache):
+        cache = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "phyrt", "bench")
 
 
 def _runner(name: str):
@@ -81,9 +95,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="fewer iterations and shorter runs: under 3 minutes on 2 idle cores")
     parser.add_argument("--only", metavar="NAMES", default=None,
                         help=f"comma-separated sections to run, in the default order (from: {', '.join(SECTIONS)})")
-    parser.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
-                        help="where latest.md, latest.json and the plots go (default: bench/results)")
+    parser.add_argument("--out", metavar="DIR", default=None,
+                        help="where latest.md, latest.json and the plots go (default: $XDG_CACHE_HOME/phyrt/bench, "
+                             "i.e. ~/.cache/phyrt/bench, outside the checkout; --out bench/results refreshes the "
+                             "committed report)")
     args = parser.parse_args(argv)
+    args.out = os.path.abspath(args.out) if args.out else default_out()
     if args.only is None:
         args.sections = list(SECTIONS)
     else:

@@ -55,6 +55,58 @@ def test_only_picks_sections_in_run_order_and_rejects_unknown_names(capsys):
     assert "warp-drive" in capsys.readouterr().err
 
 
+def _committed_report() -> dict[str, tuple[int, bytes]]:
+    """bench/results as it is on disk: each file's mtime and bytes."""
+    folder = os.path.join(ROOT, "bench", "results")
+    files = {}
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        with open(path, "rb") as f:
+            files[name] = (os.stat(path).st_mtime_ns, f.read())
+    return files
+
+
+def _git_status(path: str) -> str | None:
+    if not os.path.isdir(os.path.join(ROOT, ".git")):
+        return None
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--", path], cwd=ROOT, capture_output=True, text=True,
+                             timeout=30)
+    except FileNotFoundError:  # no git on this machine: the byte-for-byte check still runs
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+@pytest.mark.timeout(120)
+def test_a_run_without_out_writes_outside_the_checkout_and_leaves_the_committed_report(tmp_path):
+    """``python -m bench`` with no ``--out`` (the gpu section alone: skipped in a second without
+    CUDA) writes its report under $XDG_CACHE_HOME/phyrt/bench, says where, and leaves the committed
+    bench/results byte for byte and ``git status`` as they were."""
+    before, status = _committed_report(), _git_status("bench/results")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, "-m", "bench", "--only", "gpu"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=110)
+    assert out.returncode == 0, out.stderr
+    report = tmp_path / "cache" / "phyrt" / "bench" / "latest.md"
+    assert report.read_text().startswith("# phyrt benchmarks")
+    assert (report.parent / "latest.json").exists()
+    assert f"report: {report}" in out.stderr
+    assert _committed_report() == before
+    assert _git_status("bench/results") == status
+
+
+def test_out_picks_the_report_directory_and_the_default_follows_xdg(monkeypatch, tmp_path):
+    from bench.__main__ import parse_args
+
+    monkeypatch.chdir(tmp_path)
+    assert parse_args(["--out", "elsewhere"]).out == str(tmp_path / "elsewhere")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert parse_args([]).out == str(tmp_path / "xdg" / "phyrt" / "bench")
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")  # the XDG spec: only an absolute path counts
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert parse_args([]).out == str(tmp_path / "home" / ".cache" / "phyrt" / "bench")
+
+
 def fake_run() -> tuple[dict, list[Section]]:
     machine = {"date": "2030-01-01T00:00:00+00:00", "host": "box", "platform": "Linux", "cpu_model": "Test CPU",
                "logical_cores": 2, "physical_cores": 2, "memory_gib": 24.0, "memory_available_gib": 20.0,

@@ -42,6 +42,19 @@ def cluster():
         nodes.shutdown()
 
 
+@pytest.fixture
+def idle_cluster(cluster):
+    """The cluster with both nodes alive and every CPU free: whatever ran before (an earlier test's
+    fleet, its actors killed a moment ago) has given its CPUs back, so that each test's two servers,
+    one CPU each, can be placed whichever test runs first or alone."""
+    def idle() -> bool:
+        alive_nodes = [n for n in ray.nodes() if n.get("Alive")]
+        return len(alive_nodes) == 2 and ray.available_resources().get("CPU", 0) >= ray.cluster_resources()["CPU"]
+
+    assert wait_until(idle, 120), (ray.nodes(), ray.available_resources())
+    return cluster
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -52,7 +65,7 @@ def alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(400)
-def test_servers_on_both_nodes_one_killed_is_restarted_and_the_client_keeps_serving(cluster):
+def test_servers_on_both_nodes_one_killed_is_restarted_and_the_client_keeps_serving(idle_cluster):
     from runtime.cluster import RayFleet
 
     key_dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "phyrt-ray-*")))
@@ -100,9 +113,11 @@ def test_servers_on_both_nodes_one_killed_is_restarted_and_the_client_keeps_serv
 
 
 @pytest.mark.timeout(300)
-def test_the_cli_publishes_keys_and_addresses_a_client_can_use_and_stops_its_servers(cluster, tmp_path):
-    """After the test above (its fleet closed, the nodes' CPUs free again)."""
+def test_the_cli_publishes_keys_and_addresses_a_client_can_use_and_stops_its_servers(idle_cluster, tmp_path):
+    """Alone or after the test above: ``idle_cluster`` waits for the nodes' CPUs to be free."""
     from runtime.client import Client
+
+    cluster = idle_cluster
 
     keys, listed = tmp_path / "keys", tmp_path / "fleet.json"
     log = open(tmp_path / "cli.log", "w")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import select
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -95,6 +96,18 @@ def _waiter(channel: Channel, future: Future, name: str, timeout: float | None =
     return thread
 
 
+def asleep(ident: int | None) -> bool:
+    """Whether thread ``ident`` is inside ``ReaderRole.wait`` and blocked there in a ``threading``
+    wait (an Event's or a Condition's, as ``Slot.wait`` and ``concurrent.futures.wait`` are), rather
+    than polling, spinning or reading."""
+    frame = sys._current_frames().get(ident)
+    if frame is None or frame.f_code.co_name != "wait" or frame.f_code.co_filename != threading.__file__:
+        return False
+    while frame is not None and frame.f_code is not ReaderRole.wait.__code__:
+        frame = frame.f_back
+    return frame is not None
+
+
 def _until(predicate, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -118,11 +131,15 @@ def test_a_second_waiter_sleeps_and_the_reader_completes_its_future(channel):
     first = _waiter(channel, fa, "waiter-a")
     _until(lambda: channel.role.holder == first.ident)
     second = _waiter(channel, fb, "waiter-b")
+    _until(lambda: asleep(second.ident))  # b sleeps on its future: it neither reads nor polls
+    assert channel.role.holder == first.ident
     channel.answer(b)  # b's answer comes first: a reads it for b
     _until(fb.done)
+    second.join(5)
+    assert not second.is_alive() and fb.result() == b  # woken by a's completing its future
     channel.answer(a)
     first.join(5)
-    second.join(5)
+    assert not first.is_alive()
     assert channel.readers == ["waiter-a", "waiter-a"]
     assert channel.fallback_wakes == 0  # nothing was due when a left
 

@@ -533,6 +533,8 @@ def test_a_client_without_curve_keys_is_told_the_server_requires_curve(curve_ech
             client.call({"x": 1}, timeout=30)
         except ConnectionLostError as exc:
             assert type(exc) is HandshakeError
+        else:
+            pytest.fail("a client without CURVE keys was served by a server that requires CURVE")
         assert time.monotonic() - started < HANDSHAKE_BOUND_S
 
     async def through_asyncio() -> None:

@@ -15,6 +15,8 @@ import pytest
 
 from runtime.core.futures import Slot, resolve
 from runtime.transport.reader import ReaderRole
+from tests.conftest import wait_until
+from tests.test_reader import asleep
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -53,16 +55,20 @@ def test_a_thread_sleeping_on_it_wakes_when_another_completes_it():
 
 def test_a_caller_that_is_not_the_reader_sleeps_on_its_slot_until_the_reader_completes_it():
     role = ReaderRole(lambda: False, lambda: None)
-    slot, read = Slot(), threading.Event()
+    slot, read, caller = Slot(), threading.Event(), threading.get_ident()
+    saw_asleep = []
 
-    def reader(future, deadline):  # holds the role until it completes the slot of the other caller
+    def reader(future, deadline):  # holds the role until the other caller sleeps, then completes its slot
         read.set()
-        time.sleep(0.1)
+        saw_asleep.append(wait_until(lambda: asleep(caller), 5.0))
         slot.set_result("answer")
+        future.set_result("own")  # and its own: the holder leaves
 
-    holder = threading.Thread(target=role.wait, args=(Slot(), 0.3, reader))
+    holder = threading.Thread(target=role.wait, args=(Slot(), 10.0, reader))
     holder.start()
     assert read.wait(5.0)
-    assert role.wait(slot, 5.0, lambda f, d: pytest.fail("a second reader")) and slot.result() == "answer"
+    assert role.wait(slot, 10.0, lambda f, d: pytest.fail("a second reader")) and slot.result() == "answer"
+    assert saw_asleep == [True]  # it slept on its slot (no polling, no spinning) until the reader woke it
     holder.join(5.0)
+    assert not holder.is_alive()
     role.dispose()

@@ -38,7 +38,7 @@ def test_no_spinning_on_a_single_core(monkeypatch):
 
 
 def test_every_knob_is_read_in_one_module_and_documented():
-    """No PHYRT_* variable is read outside runtime.core.env, and the README lists each one."""
+    """No PHYRT_* variable is read outside runtime.core.env, and docs/environment.md lists each one."""
     root = pathlib.Path(__file__).resolve().parent.parent
     readers = []
     for package in ("runtime", "supervisor", "workers", "models"):
@@ -47,8 +47,8 @@ def test_every_knob_is_read_in_one_module_and_documented():
             if re.search(r"os\.environ|getenv\(", text) and "PHYRT_" in text and path.name != "env.py":
                 readers.append(str(path.relative_to(root)))
     assert readers == []
-    readme = (root / "README.md").read_text()
-    assert [knob for knob in env.KNOBS if f"`{knob}`" not in readme] == []
+    listed = (root / "docs" / "environment.md").read_text()
+    assert [knob for knob in env.KNOBS if f"`{knob}`" not in listed] == []
 
 
 def test_spin_returns_what_the_poll_found_at_once():
@@ -128,11 +128,17 @@ def test_a_spin_that_failed_puts_spinning_off_for_twice_as_many_waits_each_time(
         wait(found_by_spin=False)
     assert spun == [True, False, True, False, False, True, False, False, False, False, True]
     spun.clear()
-    for _ in range(Spinner.MAX_SKIP * 3):  # the back-off stops doubling at MAX_SKIP
+    for _ in range(Spinner.MAX_SKIP * 4):  # the back-off stops doubling at MAX_SKIP ...
         wait(found_by_spin=False)
     assert spun.count(True) <= 3 + 4
+    spins = [i for i, did in enumerate(spun) if did]
+    gaps = [later - earlier for earlier, later in zip(spins, spins[1:])]
+    assert max(gaps) == gaps[-1] == gaps[-2] == Spinner.MAX_SKIP + 1  # ... one spin in MAX_SKIP + 1 waits goes on
+    waits = 0
     while not spun[-1]:
         wait(found_by_spin=True)  # waits out the back-off; the spin then finds the message ...
+        waits += 1
+    assert waits <= Spinner.MAX_SKIP + 1  # a peer that got quick again is seen within MAX_SKIP + 1 waits
     spun.clear()
     for _ in range(3):
         wait(found_by_spin=True)

@@ -1,6 +1,8 @@
 """``python -m runtime.cluster [options] [-- runtime.launch options]``: phyrt servers on a Ray cluster.
 
-Connects to the Ray cluster (``--ray-address``), starts a ``RayFleet`` (one server per node,
+Connects to the Ray cluster (``--ray-address``: by default the running one that ``ray start --head``
+left on this machine or ``RAY_ADDRESS`` names; with none, one line on stderr says how to start one,
+exit status 1; ``local`` starts a private one for this process), starts a ``RayFleet`` (one server per node,
 or per ``--gpus-per-server`` GPUs), writes what clients need into ``--keys-dir`` and the
 address list into ``--addresses-file`` (rewritten whenever Ray restarts a server), prints
 one line per change, and stops every server on SIGINT or SIGTERM.
@@ -26,7 +28,11 @@ EPILOG = """\
 Everything after -- goes to python -m runtime.launch on every server (not --address nor the CURVE
 options: each server binds tcp://ITS_NODE_IP:PORT with the fleet's CURVE pair). Example:
   python -m runtime.cluster --ray-address auto --keys-dir keys --addresses-file fleet.json -- --plugin policy
-Exit status: 0 after SIGINT or SIGTERM (every server stopped), 1 when the fleet could not start.
+--ray-address auto (the default) joins the Ray cluster this machine is part of (`ray start --head` on
+one node, `ray start --address HEAD_IP:6379` on the others; or RAY_ADDRESS); --ray-address local starts
+a private one-node Ray for this process (stopped with it).
+Exit status: 0 after SIGINT or SIGTERM (every server stopped), 1 when no Ray cluster was reached or the
+fleet could not start (the cause in one line on stderr), 2 bad arguments.
 """
 
 
@@ -35,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m runtime.cluster", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Start phyrt servers on a Ray cluster (one per node, or per GPU set), restarted by Ray; "
                     "requests go straight from clients to the servers, never through Ray.")
-    parser.add_argument("--ray-address", default="auto", help="ray.init's address (default: auto)")
+    parser.add_argument("--ray-address", default="auto",
+                        help="the Ray cluster: auto (a running one: `ray start --head`, or RAY_ADDRESS), HOST:PORT, "
+                             "or local (a private one for this process) (default: auto)")
     parser.add_argument("--gpus-per-server", type=int, default=None, metavar="N",
                         help="one server per N GPUs of the cluster (default: one server per node)")
     parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs each server's actor reserves (default: 1)")
@@ -69,6 +77,21 @@ def write_addresses(path: str, addresses: list[str], server_public_key: bytes) -
     os.replace(temporary, path)
 
 
+def connect(address: str) -> str | None:
+    """``ray.init(address)``; None once connected, else why not, in one line that says what to do."""
+    import ray
+
+    try:
+        ray.init(address=address, logging_level="warning")
+    except Exception as exc:
+        if isinstance(exc, ConnectionError) and address == "auto" and not os.environ.get("RAY_ADDRESS"):
+            return ("no running Ray cluster found: start one with `ray start --head`, pass --ray-address "
+                    "HOST:PORT for another machine's, or --ray-address local to start a private one for this process")
+        return " ".join(f"could not connect to the Ray cluster (--ray-address {address}): {type(exc).__name__}: "
+                        f"{exc}".split())
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
@@ -77,11 +100,18 @@ def main(argv: list[str] | None = None) -> int:
     launch_args = argv[split + 1:]
     if os.path.exists(opts.keys_dir):
         parser.error(f"--keys-dir {opts.keys_dir} exists: name a new directory (the fleet's keys are new)")
-    import ray
+    try:
+        import ray
+    except ImportError as exc:
+        print(f"phyrt cluster: Ray is not installed ({exc}): pip install 'phyrt[ray]'", file=sys.stderr)
+        return 1
 
     from runtime.cluster.ray_fleet import RayFleet
 
-    ray.init(address=opts.ray_address, logging_level="warning")
+    problem = connect(opts.ray_address)
+    if problem:
+        print(f"phyrt cluster: {problem}", file=sys.stderr)
+        return 1
     stop = threading.Event()
     SignalRelay(lambda signum: stop.set())  # after ray.init, which installs handlers of its own
     try:
