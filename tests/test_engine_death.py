@@ -67,7 +67,7 @@ ENGINE_SCRIPT = textwrap.dedent("""
     time.sleep(300)
 """)
 
-#: what each stage left, for the final sweep test and for RELIABILITY.md
+#: what each stage left, for the final sweep test and for docs/reliability.md
 KILLED: dict[str, dict[str, Any]] = {}
 
 

@@ -36,7 +36,7 @@ def test_local_replicas_example_matches_inline():
 
 @pytest.mark.timeout(240)
 def test_tiny_qwen3_script_then_llm_client_streams_the_text_of_a_plain_call(tmp_path):
-    """The README's LLM steps: make the tiny model, serve it, call it streamed and not."""
+    """The LLM steps of README.md and docs/llm.md: make the tiny model, serve it, call it streamed and not."""
     from runtime.client import Client
     from tests.test_launch import Launched
 

@@ -1,6 +1,6 @@
-"""PROTOCOL.md's examples are the bytes the Python client and server send and read.
+"""docs/protocol.md's examples are the bytes the Python client and server send and read.
 
-Each ```` ```golden NAME ```` block of PROTOCOL.md is parsed here (hex, ``#`` comments, ``frame N:``
+Each ```` ```golden NAME ```` block of docs/protocol.md is parsed here (hex, ``#`` comments, ``frame N:``
 lines) and checked both ways: the encoders of ``runtime.client`` and ``runtime.serving`` produce
 exactly those frames, and the decoders read them back as the values the page states. A server
 (``MessageHandler`` over a stand-in engine) answers the page's submit with the page's reply.
@@ -25,14 +25,14 @@ from runtime.client.replies import Pending, Replies, complete
 from runtime.serving.handlers import MessageHandler
 from runtime.transport.protocol import PROTOCOL_VERSION, SUBMIT_REPLY_PREFIX, PayloadEncoder, pack_header
 
-DOC = Path(__file__).resolve().parents[1] / "PROTOCOL.md"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
 OBS = np.array([[0.0, 0.5, 1.0, -2.0]], dtype=np.float32)
 RESULT = {"actions": np.array([[1, 2], [3, 4]], dtype=np.int64), "note": "ok"}
 VERSION_MESSAGE = "protocol version 2 is not 1, the one this side speaks"
 
 
 def golden() -> dict[str, list[bytes]]:
-    """Every golden block of PROTOCOL.md: name -> frames."""
+    """Every golden block of docs/protocol.md: name -> frames."""
     blocks = {}
     for name, body in re.findall(r"^```golden ([\w-]+)\n(.*?)^```", DOC.read_text(), re.M | re.S):
         frames: list[list[str]] = [[]]

@@ -1,3 +1,3 @@
 """Serve your own model: a trained ``nn.Module`` (``model.TinyPolicy``), its safetensors
 weights (``make_weights``), and the phyrt plugin that serves them (``plugin.OwnPolicy``).
-README.md, "Serve your own model", walks through it."""
+docs/own-model.md walks through it."""

@@ -28,7 +28,7 @@ import os
 SPIN_US = "PHYRT_SPIN_US"
 COPY_THREADS = "PHYRT_COPY_THREADS"
 IO_BATCH = "PHYRT_IO_BATCH"
-#: every variable above, for the README's table and for tests
+#: every variable above, for docs/environment.md's table and for tests
 KNOBS = (SPIN_US, COPY_THREADS, IO_BATCH)
 
 

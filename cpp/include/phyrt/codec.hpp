@@ -1,4 +1,4 @@
-// The wire of PROTOCOL.md, protocol version 1: a msgpack header frame, then one raw frame per tensor.
+// The wire of docs/protocol.md, protocol version 1: a msgpack header frame, then one raw frame per tensor.
 //
 //   encode_message(header fields, payload)  -> [header bytes, *tensor frames]   (requests)
 //   decode_message(frames)                  -> the header as a Value, tensors resolved (replies)

@@ -1,7 +1,7 @@
 // The exceptions a phyrt::Client raises: a server's error reply, a lost connection, a malformed reply.
 //
 // They mirror runtime/client/errors.py; type() is the name a reply's error.type carries on the
-// wire (PROTOCOL.md, "Error replies"):
+// wire (docs/protocol.md, "Error types"):
 //
 //   Error (std::runtime_error)                 every phyrt error
 //   |-- ProtocolError                          a reply this client cannot read (never sent)

@@ -4,7 +4,7 @@
 //               | TensorView (a request tensor: borrowed bytes, copied into a frame by submit)
 //               | Tensor     (a result tensor: a view of the received frame, kept alive with it)
 //
-// Tensors are (dtype, shape, bytes): little-endian, C order, dtypes of PROTOCOL.md's allow-list.
+// Tensors are (dtype, shape, bytes): little-endian, C order, dtypes of docs/protocol.md's allow-list.
 // bfloat16 and float16 have no C++ type here: read them as std::uint16_t bits (as_bits()).
 #pragma once
 
