@@ -10,8 +10,8 @@
 3. pytest with CUDA visible over the files whose behaviour depends on the device (a CUDA tensor's
    second trip in both directions is tests/test_cuda_trips.py): one line per file.
 
-Made to finish in under 8 minutes on one GPU. Every line starts with ``ok``, ``FAIL`` or
-``skip``; the last one counts them.
+Sized to finish in under 8 minutes on one GPU (the issue's budget; not yet timed there). Every
+line starts with ``ok``, ``FAIL`` or ``skip``; the last one counts them.
 """
 
 from __future__ import annotations
