@@ -3,12 +3,11 @@ process's messages; counts inputs and crashes (there must be none).
 
     target      what decodes it                                       who sends it in production
     wire        runtime.transport.wire.unpack_message, default decoder           any phyrt peer
-    worker      unpack_message({"request"}, a real ShmMapper) and      the supervisor, to a rank
-                unpack_message({"free", "shutdown"})
-    supervisor  unpack_message({"ready", "startup_error", "done"},      a rank, to the supervisor
-                a real ShmMapper)
+    worker      unpack_message(rank_protocol.INBOX, a real ShmMapper)  the supervisor, to a rank
+                and unpack_message(rank_protocol.CONTROL)
+    supervisor  unpack_message(rank_protocol.ANSWERS, a real ShmMapper)  a rank, to the supervisor
     server      protocol.unpack_header, the op checks of                any client
-                runtime.serving.requests, TensorResolver(request_tensor,
+                runtime.link.client_protocol, TensorResolver(request_tensor,
                 the segments a client registered), finish()
     client      unpack_header, TensorResolver(numpy_tensor, a result    the server, to a client
                 segment), error_from_reply
@@ -17,7 +16,7 @@ process's messages; counts inputs and crashes (there must be none).
                 nothing escapes it (the I/O thread would log a server bug)
 
 Allowed outcomes: a decoded value, or ``ProtocolError`` (``handle``: no exception at all,
-and every reply ``ok`` or an error of ``protocol.ERROR_TYPES`` without a traceback).
+and every reply ``ok`` or an error of ``client_protocol.ERROR_TYPES`` without a traceback).
 Anything else is a crash; an input that takes longer than ``--hang-s`` (SIGALRM) is a
 hang. Both are saved under ``--out`` with their input and count as failures.
 
@@ -58,11 +57,12 @@ from runtime.transport import protocol, wire
 from runtime.client.errors import error_from_reply
 from runtime.core.errors import ProtocolError
 from runtime.core.plugins import Entry
+from runtime.link import client_protocol, rank_protocol
 from runtime.transport.shm import ShmArena, ShmMapper, new_run_id
 
-WORKER_TYPES = frozenset({"request"})
-WORKER_CTL_TYPES = frozenset({"free", "shutdown"})
-SUPERVISOR_TYPES = frozenset({"ready", "startup_error", "done"})  # supervisor.supervisor._WORKER_TYPES
+WORKER_TYPES = rank_protocol.INBOX
+WORKER_CTL_TYPES = rank_protocol.CONTROL
+SUPERVISOR_TYPES = rank_protocol.ANSWERS
 DTYPES = ["float16", "float32", "float64", "bfloat16", "int8", "int16", "int32", "int64", "uint8", "bool"]
 EDGE_INTS = [0, 1, -1, 2, 3, 7, 8, 63, 64, 4095, 4096, 65535, 65536, 2**31 - 1, 2**31, 2**32, 2**40,
              2**44, 2**44 + 1, 2**62, 2**63 - 1, 2**63, 2**64 - 1, -(2**63)]
@@ -197,7 +197,8 @@ def decode_supervisor(ctx: FuzzContext, data: bytes) -> None:
 def decode_server(ctx: FuzzContext, frames: list[bytes]) -> None:
     """What the server's I/O thread does with a message, short of the engine."""
     from runtime.serving.server import MAX_HEADER_BYTES
-    from runtime.serving.requests import register_fields, release_blocks, request_tensor, submit_options
+    from runtime.link.client_protocol import register_fields, release_blocks, submit_options
+    from runtime.serving.requests import request_tensor
 
     if not frames:
         raise ProtocolError("no frames")
@@ -317,14 +318,15 @@ class BadReply(Exception):
 
 def check_reply(reply: Any) -> None:
     """Raise ``BadReply`` unless ``reply`` is ok, or an error of ``ERROR_TYPES`` without a traceback."""
-    if not isinstance(reply, dict) or reply.get("v") != protocol.PROTOCOL_VERSION:
+    if not isinstance(reply, dict) or reply.get("v") != client_protocol.PROTOCOL_VERSION:
         raise BadReply(repr(reply)[:500])
     if reply.get("op") == "inputs_done":
         return
     if reply.get("ok") is True:
         return
     error = reply.get("error")
-    if reply.get("ok") is not False or not isinstance(error, dict) or error.get("type") not in protocol.ERROR_TYPES:
+    if (reply.get("ok") is not False or not isinstance(error, dict)
+            or error.get("type") not in client_protocol.ERROR_TYPES):
         raise BadReply(repr(reply)[:500])
     message = str(error.get("message"))
     if "Traceback" in message or 'File "' in message:

@@ -30,8 +30,9 @@ from typing import Any
 
 import zmq
 
-from runtime.core.errors import ProtocolError, RemoteError
+from runtime.core.errors import ProtocolError
 from runtime.core.futures import resolve
+from runtime.link import rank_protocol as rp
 from runtime.transport import wire
 from runtime.transport.reader import ReaderRole
 from runtime.transport.shm import ShmMapper
@@ -42,7 +43,6 @@ from supervisor.groups import GroupState, PendingRequest, RankState, recv_from_r
 
 log = logging.getLogger("phyrt.supervisor")
 
-_WORKER_TYPES = frozenset({"ready", "startup_error", "done", "partial"})
 _POLLIN = int(zmq.POLLIN)
 #: how long a rank's error that reads like a lost peer waits for a peer's death to show
 PEER_DEATH_GRACE_S = 0.2
@@ -123,11 +123,11 @@ class AnswerReader:
             if group.failed is not None:
                 continue
             for rank, items in blocks.items():
-                self._send(group, rank, wire.pack_message("free", 0, blocks=items))
+                self._send(group, rank, wire.pack_message(rp.FREE, 0, blocks=items))
 
     def send_shutdown(self, group: GroupState) -> None:
         for r in group.ranks:
-            self._send(group, r.rank, wire.pack_message("shutdown", 0))
+            self._send(group, r.rank, wire.pack_message(rp.SHUTDOWN, 0))
 
     def _send(self, group: GroupState, rank: int, message: bytes) -> None:
         try:
@@ -147,7 +147,7 @@ class AnswerReader:
             self.fail(group, f"rank {r.rank} sent a malformed message: {count} frames, not 1")
             return
         try:
-            msg = wire.unpack_message(payload.buffer, expected_types=_WORKER_TYPES, tensor_decoder=r.decoder)
+            msg = wire.unpack_message(payload.buffer, expected_types=rp.ANSWERS, tensor_decoder=r.decoder)
             self._handle(group, r, msg)
         except (ProtocolError, TypeError, ValueError, KeyError, AttributeError) as exc:
             # well-formed msgpack with fields of the wrong shape is just as malformed
@@ -157,18 +157,18 @@ class AnswerReader:
 
     def _handle(self, group: GroupState, r: RankState, msg: dict[str, Any]) -> None:
         kind = msg["type"]
-        if kind == "done":
+        if kind == rp.DONE:
             self._request_done(group, r, msg)
-        elif kind == "partial":
+        elif kind == rp.PARTIAL:
             pending = group.pending.get(msg["id"])
             if r.rank != 0 or pending is None or pending.stream is None:
                 raise ProtocolError(f"rank {r.rank} sent a chunk of request {msg['id']!r}, not a stream "
                                     "of its output rank in flight")
             self._chunks.append((pending.stream, msg.get("chunk")))
-        elif kind == "ready":
+        elif kind == rp.READY:
             self._startup.rank_ready(r, msg.get("segments"), self.unlink_mapped)
-        else:  # startup_error
-            cause = _remote(msg)
+        else:  # rp.STARTUP_ERROR
+            cause = rp.remote_error(msg)
             self.fail(group, f"rank {r.rank} failed to start: {cause.remote_type}: {cause.remote_message}", cause)
 
     def _request_done(self, group: GroupState, r: RankState, msg: dict[str, Any]) -> None:
@@ -189,7 +189,7 @@ class AnswerReader:
             self._others_due = 0 in pending.ranks_done  # its caller is about to be woken
 
     def _request_failed(self, group: GroupState, r: RankState, msg: dict[str, Any]) -> None:
-        cause = _remote(msg)
+        cause = rp.remote_error(msg)
         raised = f"rank {r.rank} raised {cause.remote_type}: {cause.remote_message} (request {msg['id']})"
         # a peer that died (inside a collective, say) is to blame, not the rank that lost it;
         # this thread may see the survivor's error before the dead rank's sentinel
@@ -206,7 +206,3 @@ class AnswerReader:
             if segment not in self._unlinked:
                 self._unlinked.add(segment)
                 unlink_quiet(segment)
-
-
-def _remote(msg: dict[str, Any]) -> RemoteError:
-    return RemoteError(str(msg.get("error_type")), str(msg.get("message")), str(msg.get("traceback", "")))

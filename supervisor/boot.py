@@ -6,7 +6,8 @@
                                                        connect ctl DEALER
                                                        "c-R-r", hb DEALER "h-R-r", inbox PULL;
                                                        process group, plugin build
-    ctl ROUTER (the reader) <------------------------ "ready" {segments} | "startup_error" {error}
+    ctl ROUTER (the reader) <------------------------ READY {segments} | STARTUP_ERROR {error}
+                                                       (runtime.link.rank_protocol)
     Startup.rank_ready: map the rank's result segments (so that their names can go at once);
     once every rank is ready, unlink the request arenas' first segments; wait() returns
 
@@ -35,6 +36,7 @@ import zmq
 
 from runtime.core.config import EngineArgs, WorkerSupervisorConfig, dtype_name
 from runtime.core.errors import ProtocolError, WorkerStartupError
+from runtime.link import rank_protocol as rp
 from runtime.transport import wire
 from runtime.transport.shm import ShmArena, ShmMapper
 from runtime.transport.spin import usable_cores
@@ -87,7 +89,7 @@ class Startup:
         (``unlink_mapped``: before the start can end, so that the reader is done with
         system calls, which let the waiting caller run, by then)."""
         if not isinstance(segments, list) or not all(isinstance(x, str) for x in segments):
-            raise ProtocolError(f"'ready' needs a list of segment names, got {segments!r}")
+            raise ProtocolError(f"{rp.READY!r} needs a list of segment names, got {segments!r}")
         for segment in segments:
             self._mapper.view(segment, 0, 0)
         unlink_mapped()

@@ -872,7 +872,7 @@ def test_the_packing_fast_path_refuses_what_the_slow_path_refuses(payload, error
 def test_a_header_with_a_packed_payload_is_the_plain_header():
     import msgpack
 
-    from runtime.client.headers import submit_message
+    from runtime.link.client_protocol import submit_message
     from runtime.transport.protocol import PayloadEncoder, pack_header
 
     payload = {"obs": [1.5, 2.5], "task": "t"}
@@ -896,7 +896,7 @@ def test_a_header_with_a_packed_payload_is_the_plain_header():
 
 
 def test_a_plain_payload_is_packed_without_an_encoder_into_the_same_bytes():
-    from runtime.client.headers import plain_submit, submit_message
+    from runtime.link.client_protocol import plain_submit, submit_message
     from runtime.transport.protocol import PayloadEncoder
 
     plain = [{"obs": [1.5, 2.5], "task": "t", "n": None, "b": b"\x00\xff", "deep": {"x": [[1, 2], (3, 4)]}},

@@ -12,7 +12,8 @@ import pytest
 from runtime.client.errors import InvalidRequestError
 from runtime.client.replies import Pending, Replies, complete
 from runtime.core.futures import Slot
-from runtime.transport.protocol import PROTOCOL_VERSION, SUBMIT_REPLY_PREFIX, PayloadEncoder, pack_header
+from runtime.link.client_protocol import PROTOCOL_VERSION, SUBMIT_REPLY_PREFIX
+from runtime.transport.protocol import PayloadEncoder, pack_header
 
 pytestmark = pytest.mark.timeout(30)
 

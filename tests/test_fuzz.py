@@ -39,6 +39,7 @@ from hypothesis import strategies as st
 
 from bench.fuzz import (DTYPES, EDGE_INTS, BadReply, FuzzContext, Inputs, ServerHandle, check_reply, decode_client,
                         decode_server, decode_supervisor, decode_worker, no_hang, reply_fields, run_target)
+from runtime.link.client_protocol import ERROR_TYPES
 from runtime.transport import protocol, wire
 from tests.conftest import wait_until
 
@@ -162,7 +163,7 @@ plain_messages = st.fixed_dictionaries({"v": st.just(1), "op": st.sampled_from(O
 reply_messages = st.fixed_dictionaries(
     {"v": st.just(1) | scalars, "op": st.sampled_from(OPS + ["inputs_done"]) | scalars, "id": ids},
     optional={"ok": st.booleans() | scalars, "result": frame_objects, "inputs_held": scalars,
-              "error": st.fixed_dictionaries({"type": st.sampled_from(list(protocol.ERROR_TYPES)) | scalars,
+              "error": st.fixed_dictionaries({"type": st.sampled_from(list(ERROR_TYPES)) | scalars,
                                               "message": scalars}) | scalars})
 tensor_frames = st.lists(st.binary(max_size=64) | st.sampled_from([b"", b"\0" * 4096]), max_size=4)
 

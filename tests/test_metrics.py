@@ -233,8 +233,8 @@ def _first(*places: tuple[str, str]):
 
 @pytest.mark.timeout(60)
 def test_label_sets_match_the_protocol():
-    error_types = _first(("runtime.transport.protocol", "ERROR_TYPES"), ("runtime.client", "ERROR_TYPES"))
-    ops = _first(("runtime.serving.requests", "OP_FIELDS"), ("runtime.serving.server", "_FIELDS"))
+    error_types = _first(("runtime.link.client_protocol", "ERROR_TYPES"), ("runtime.transport.protocol", "ERROR_TYPES"))
+    ops = _first(("runtime.link.client_protocol", "OP_FIELDS"), ("runtime.serving.requests", "OP_FIELDS"))
     assert set(ERROR_TYPES) == set(error_types)
     assert set(OPS) == set(ops)
 

@@ -1,9 +1,14 @@
-"""docs/protocol.md's examples are the bytes the Python client and server send and read.
+"""docs/protocol.md's examples are the bytes the Python client and server send and read, and its
+tables are the messages ``runtime.link.client_protocol`` defines.
 
 Each ```` ```golden NAME ```` block of docs/protocol.md is parsed here (hex, ``#`` comments, ``frame N:``
 lines) and checked both ways: the encoders of ``runtime.client`` and ``runtime.serving`` produce
 exactly those frames, and the decoders read them back as the values the page states. A server
 (``MessageHandler`` over a stand-in engine) answers the page's submit with the page's reply.
+
+The page's op table (section 3: each op's fields, required or "(optional)", and the keys of its
+reply's result) and its reply table (section 4) are parsed too, and must equal ``REQUESTS`` and
+``REPLIES``; the builders of both sides make exactly those fields.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import re
 import time
 from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import msgpack
@@ -20,10 +26,12 @@ import pytest
 import torch
 
 from runtime.client.errors import InvalidRequestError
-from runtime.client.headers import HEARTBEAT, control_header, submit_message
 from runtime.client.replies import Pending, Replies, complete
+from runtime.link import client_protocol as cp
+from runtime.link.client_protocol import (HEADER_FIELDS, HEARTBEAT, PROTOCOL_VERSION, SUBMIT_REPLY_PREFIX,
+                                          control_header, submit_message)
 from runtime.serving.handlers import MessageHandler
-from runtime.transport.protocol import PROTOCOL_VERSION, SUBMIT_REPLY_PREFIX, PayloadEncoder, pack_header
+from runtime.transport.protocol import PayloadEncoder, pack_header
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
 OBS = np.array([[0.0, 0.5, 1.0, -2.0]], dtype=np.float32)
@@ -77,6 +85,9 @@ class StandInEngine:
     """What ``MessageHandler`` needs of an engine: records payloads, answers RESULT at once."""
 
     mode = "local"
+    args = SimpleNamespace(plugin="stand-in")
+    replicas: list = []
+    ranks_per_replica = 1
 
     def __init__(self) -> None:
         self.payloads: list[Any] = []
@@ -161,3 +172,103 @@ def test_a_submit_reply_packed_in_one_go_is_the_header_packed(request_id):
     result = PayloadEncoder(copy=False).pack(value, "result")
     assert reply == pack_header({"v": PROTOCOL_VERSION, "op": "submit", "id": request_id, "ok": True, "result": result})
     assert reply.startswith(SUBMIT_REPLY_PREFIX)
+
+
+# --------------------------------------------------------------------------- the page's tables
+
+
+def _section(number: int) -> str:
+    text = DOC.read_text()
+    match = re.search(rf"^## {number}\. [^\n]*\n(.*?)(?=^## )", text, re.M | re.S)
+    assert match, f"docs/protocol.md has no section {number}"
+    return match.group(1)
+
+
+def _rows(section: str, head: str) -> dict[str, list[str]]:
+    """The rows of the table in ``section`` whose head's first cell is ``head``: name -> the other cells."""
+    tables: list[list[list[str]]] = []
+    for line in section.splitlines():
+        if not line.startswith("|"):
+            tables.append([])
+        elif not re.fullmatch(r"\|[-|: ]+\|", line.strip()):  # (not the line under the head)
+            tables[-1].append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    [table] = [t for t in tables if t and t[0][0] == head]
+    return {cells[0].strip("`"): cells[1:] for cells in table[1:]}
+
+
+def _fields(cell: str) -> tuple[set[str], set[str]]:
+    """A fields cell, "`name`: text; `other` (optional): text; ...": (required, optional)."""
+    found = re.findall(r"(?:^|; )`(\w+)`( \(optional\))?:", cell)
+    assert found or cell == "none", f"no fields read from {cell!r}"
+    return {name for name, optional in found if not optional}, {name for name, optional in found if optional}
+
+
+def _result_keys(cell: str) -> set[str] | None:
+    """The keys of a reply ``result`` cell that states a map (a literal, or "a map: `a`, `b`, ..."); else None."""
+    if cell.startswith("`{"):
+        return set(re.findall(r'"(\w+)"', cell.split("`")[1]))
+    if cell.startswith("a map:"):  # the names at the top level, before the server's own extras
+        return set(re.findall(r"`(\w+)`", re.sub(r"\([^()]*\)", "", cell.split("and launch extras")[0])))
+    return None
+
+
+def test_the_pages_op_table_is_the_ops_client_protocol_defines():
+    rows = _rows(_section(3), "op")
+    assert list(rows) == [op.name for op in cp.REQUESTS] == list(cp.OPS)
+    page = {name: (*_fields(fields), _result_keys(result)) for name, (fields, result) in rows.items()}
+    code = {op.name: (set(op.required), set(op.optional), None if op.result is None else set(op.result))
+            for op in cp.REQUESTS}
+    assert page == code
+    assert cp.OP_FIELDS == {name: required | optional for name, (required, optional, _) in page.items()}
+
+
+def test_the_pages_reply_table_is_the_replies_client_protocol_defines():
+    rows = _rows(_section(4), "message")
+    page = {name: _fields(cells[0]) for name, cells in rows.items()}
+    assert page == {reply.name: (set(reply.required), set(reply.optional)) for reply in cp.REPLIES}
+
+
+def _keys(data: bytes) -> set[str]:
+    return set(msgpack.unpackb(data))
+
+
+def _op(name: str) -> cp.Op:
+    return next(op for op in cp.REQUESTS if op.name == name)
+
+
+def test_the_clients_headers_carry_their_ops_fields():
+    for op in ("ping", "info"):
+        assert _keys(control_header(op, 1)) == HEADER_FIELDS
+    assert _keys(HEARTBEAT) == HEADER_FIELDS
+    assert _keys(control_header("cancel", "cancel", target=3)) == HEADER_FIELDS | _op("cancel").fields
+    assert _keys(cp.register_header("abcd", [], pid=5)) == HEADER_FIELDS | _op("register").fields
+    assert _keys(cp.register_header("abcd", ["s"])) == HEADER_FIELDS | set(_op("register").required)
+    assert _keys(cp.release_header([["s", 0]])) == HEADER_FIELDS | _op("release").fields
+    for stream in (False, True):
+        op = _op("stream" if stream else "submit")
+        least = cp.plain_submit(1, None, False, {"x": 1}, stream=stream)
+        most = submit_message(PayloadEncoder(copy=True), 1, 2.0, True, {"obs": OBS}, [["s", 0]], stream)
+        assert msgpack.unpackb(least)["op"] == op.name and _keys(least) == HEADER_FIELDS | set(op.required)
+        assert _keys(most) == HEADER_FIELDS | op.fields
+
+
+def test_the_servers_replies_carry_their_fields(server):
+    replies = {reply.name: reply for reply in cp.REPLIES}
+
+    def check(name: str, header: dict, optional: bool) -> None:
+        reply = replies[name]
+        assert set(header) == set(reply.required) | (set(reply.optional) if optional else set()), (name, header)
+
+    check("result", cp.ok_reply("ping", 1, {}), False)
+    check("result", cp.submit_reply(1, None), False)
+    assert pack_header(cp.submit_reply(8, 0)).startswith(SUBMIT_REPLY_PREFIX)
+    check("error", cp.error_reply("submit", 1, "Overloaded", "m"), False)
+    check("error", cp.error_reply("submit", 1, "DeadlineExceeded", "m", inputs_held=True), True)
+    check("chunk", cp.stream_chunk(1, {}, 0), False)
+    check("chunk", cp.stream_end(1, {}, 1), True)
+    check("inputs_done", cp.inputs_done(1), False)
+    assert set(cp.cancel_result(True, "d")) == set(_op("cancel").result)
+    assert set(cp.ping_result("id", 1.0)) == set(_op("ping").result)
+    assert set(cp.register_result("a", "b", [])) == set(_op("register").result)
+    handler, _, _ = server
+    assert set(handler.info()) == set(_op("info").result)  # no launch extras here

@@ -458,7 +458,7 @@ def test_messages_read_with_a_slow_request_are_answered_while_it_runs(inline_ser
     (the engine runs one request at a time, in order)."""
     import zmq
 
-    from runtime.client.headers import control_header, submit_message
+    from runtime.link.client_protocol import control_header, submit_message
     from runtime.transport.protocol import PayloadEncoder, unpack_header
 
     ctx = zmq.Context(1)

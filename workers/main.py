@@ -70,6 +70,7 @@ import msgpack
 import zmq
 
 from runtime.core.plugins import Partial
+from runtime.link import rank_protocol as rp
 from runtime.transport import wire
 from runtime.transport.shm import ShmArena, ShmMapper
 from runtime.transport.spin import Spinner
@@ -78,14 +79,6 @@ from runtime.transport.spin import Spinner
 INLINE_LIMIT = 64 * 1024
 #: a plain int: ``getsockopt(EVENTS) & zmq.POLLIN`` would build an enum member on every call
 _POLLIN = int(zmq.POLLIN)
-
-
-def _error_fields(exc: BaseException) -> dict[str, str]:
-    return {
-        "error_type": f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(exc)),
-    }
 
 
 class _Heartbeat:
@@ -103,7 +96,7 @@ class _Heartbeat:
         beat = 0
         try:
             while not self._stop.is_set():
-                self._socket.send(wire.pack_message("hb", beat), copy=False)
+                self._socket.send(wire.pack_message(rp.HB, beat), copy=False)
                 beat += 1
                 self._stop.wait(self._interval)
         finally:
@@ -134,10 +127,10 @@ def main(bootstrap: bytes) -> None:
         try:
             core, arena, mapper = _start(boot)
         except BaseException as exc:
-            ctl.send(wire.pack_message("startup_error", rank, **_error_fields(exc)))
+            ctl.send(wire.pack_message(rp.STARTUP_ERROR, rank, **rp.error_fields(exc)))
             code = 1
             return
-        ctl.send(wire.pack_message("ready", rank, segments=arena.segments))
+        ctl.send(wire.pack_message(rp.READY, rank, segments=arena.segments))
         _serve(ctl, inbox, core, arena, mapper, boot)
     except BaseException:
         traceback.print_exc()  # the supervisor sees the exit; the text goes to the log
@@ -252,7 +245,6 @@ def _serve(ctl: zmq.Socket, inbox: zmq.Socket, core: Any, arena: ShmArena, mappe
     encoder = wire.TensorEncoder(allocator=arena, inline_threshold=INLINE_LIMIT)
     # ctl first: a shutdown is seen before the requests queued with it
     poll_items = [(ctl, _POLLIN), (inbox, _POLLIN)]
-    request_types, ctl_types = frozenset({"request", "cancel"}), frozenset({"free", "shutdown"})
     batching = core.batching
     spinner = Spinner(boot["spin_ns"])  # after an answer: look for the next request before sleeping
     served = False
@@ -274,8 +266,8 @@ def _serve(ctl: zmq.Socket, inbox: zmq.Socket, core: Any, arena: ShmArena, mappe
         for sock, _ in events:
             if sock is ctl:
                 while True:
-                    msg = wire.unpack_message(ctl.recv(), expected_types=ctl_types)
-                    if msg["type"] == "shutdown":
+                    msg = wire.unpack_message(ctl.recv(), expected_types=rp.CONTROL)
+                    if msg["type"] == rp.SHUTDOWN:
                         return
                     for segment, offset in msg["blocks"]:
                         arena.free(segment, offset)
@@ -284,16 +276,16 @@ def _serve(ctl: zmq.Socket, inbox: zmq.Socket, core: Any, arena: ShmArena, mappe
             elif batching:  # admit whatever has arrived, then step once
                 while True:
                     # a copy: cheaper than a zmq.Frame for the small message a request mostly is
-                    msg = wire.unpack_message(inbox.recv(), expected_types=request_types, tensor_decoder=decoder)
-                    if msg["type"] == "cancel":
+                    msg = wire.unpack_message(inbox.recv(), expected_types=rp.INBOX, tensor_decoder=decoder)
+                    if msg["type"] == rp.CANCEL:
                         core.cancel(msg["id"])
                     else:
                         core.add(msg["id"], msg["payload"], msg.get("stream") is True)
                     if not inbox.getsockopt(zmq.EVENTS) & _POLLIN:
                         break
             else:  # one at a time: the rest stay queued in the socket
-                msg = wire.unpack_message(inbox.recv(), expected_types=request_types, tensor_decoder=decoder)
-                if msg["type"] == "request":
+                msg = wire.unpack_message(inbox.recv(), expected_types=rp.INBOX, tensor_decoder=decoder)
+                if msg["type"] == rp.REQUEST:
                     done = core.run(msg["id"], msg["payload"])
         if batching:
             done = core.step()
@@ -308,17 +300,17 @@ def _answer(ctl: zmq.Socket, done: list, is_output: bool, encoder: wire.TensorEn
     for request_id, result, error in done:
         if type(result) is Partial:
             if is_output:
-                ctl.send(wire.pack_message("partial", request_id, chunk=result.chunk, tensor_encoder=encoder))
+                ctl.send(wire.pack_message(rp.PARTIAL, request_id, chunk=result.chunk, tensor_encoder=encoder))
             continue
         if error is None and is_output:
             try:
-                reply = wire.pack_message("done", request_id, ok=True, result=result, tensor_encoder=encoder)
+                reply = wire.pack_message(rp.DONE, request_id, ok=True, result=result, tensor_encoder=encoder)
             except Exception as exc:  # a result the wire cannot carry fails like the plugin did
                 error = exc
         elif error is None:
-            reply = wire.pack_message("done", request_id, ok=True)
+            reply = wire.pack_message(rp.DONE, request_id, ok=True)
         if error is not None:
-            reply = wire.pack_message("done", request_id, ok=False, **_error_fields(error))
+            reply = wire.pack_message(rp.DONE, request_id, ok=False, **rp.error_fields(error))
         ctl.send(reply)
         served = True
     return served

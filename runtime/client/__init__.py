@@ -8,8 +8,9 @@ Modules: ``client`` (``Client``: verbs, lifecycle), ``async_client`` (``AsyncCli
 replies, shm bookkeeping), ``io_thread`` (fallback reader, heartbeats, monitor),
 ``handshake`` (what the socket monitor's events mean), ``routing`` (``RoutingClient``:
 ``Client([address, ...])`` over several servers) and ``rotation`` (its choice of server),
-``headers`` (what is sent), ``shm`` (the shm session), ``streams`` (the iterators of
-``Client.stream`` and ``AsyncClient.stream``), ``errors``, ``gate``.
+``shm`` (the shm session), ``streams`` (the iterators of ``Client.stream`` and
+``AsyncClient.stream``), ``errors``, ``gate``. What is sent (the headers) is
+``runtime.link.client_protocol``'s.
 """
 
 from runtime.client.async_client import AsyncClient

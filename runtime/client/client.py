@@ -69,7 +69,6 @@ import numpy as np
 
 from runtime.client.connection import Connection
 from runtime.client.errors import ConnectionLostError, DeadlineExceededError
-from runtime.client.headers import control_header, plain_submit, submit_message
 from runtime.client.io_thread import IOThread
 from runtime.client.placement import Placement
 from runtime.client.replies import Pending, Replies
@@ -77,6 +76,7 @@ from runtime.client.routing import RoutingClient
 from runtime.client.shm import ShmSession
 from runtime.client.streams import ClientStream
 from runtime.core.futures import Slot, resolve
+from runtime.link.client_protocol import control_header, plain_submit, submit_message
 from runtime.transport.protocol import DEFAULT_SHM_THRESHOLD
 from runtime.transport.reader import ReaderRole
 from runtime.transport.shm import sweep_stale

@@ -44,10 +44,10 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from runtime.client.handshake import LOST, MONITORED, REFUSED, SERVED, HandshakeWatch
-from runtime.client.headers import release_header
 from runtime.client.replies import Replies, complete
 from runtime.core.errors import ProtocolError
 from runtime.core.futures import Slot
+from runtime.link.client_protocol import release_header
 from runtime.transport.endpoints import load_key
 from runtime.transport.reader import ReaderRole
 from runtime.transport.spin import Spinner, budget_ns
@@ -57,8 +57,6 @@ log = logging.getLogger("phyrt.client")
 
 # plain ints: pyzmq's enum members cost microseconds in every ``|`` and call on the hot path
 _NOBLOCK, _POLLIN = int(zmq.NOBLOCK), int(zmq.POLLIN)
-#: pyzmq's compiled send: its Python layer (routing ids, groups) costs a frame per message
-_send = zmq.backend.Socket.send
 
 
 class Connection:
@@ -176,7 +174,7 @@ class Connection:
                 continue  # closed: close() fails what is in flight
             try:
                 if len(frames) == 1:
-                    _send(sock, frames[0], _NOBLOCK)
+                    sock.send(frames[0], _NOBLOCK)
                 else:
                     sock.send_multipart(frames, _NOBLOCK)
                 continue
@@ -216,7 +214,7 @@ class Connection:
                     self.outbox.append((request_id, frames))
                 else:
                     try:
-                        _send(sock, frames[0], _NOBLOCK)
+                        sock.send(frames[0], _NOBLOCK)
                     except zmq.ZMQError:  # flush says why, and fails the request
                         self.outbox.append((request_id, frames))
             while not future.done() and self.open and not role.closed:

@@ -3,7 +3,7 @@
 Leaf module: imports nothing from the project but ``runtime.core.errors``, nothing
 beyond the standard library, so that the torch-free client and the server share
 these types. ``type`` is the name a reply's ``error.type`` carries on the wire
-(see ``runtime.transport.protocol``):
+(see ``runtime.link.client_protocol``):
 
     ServerError                         any error reply; an unknown type keeps its name
     ├── InvalidRequestError (ValueError)        InvalidRequest

@@ -31,8 +31,8 @@ import time
 import zmq
 
 from runtime.client.connection import Connection
-from runtime.client.headers import HEARTBEAT
 from runtime.client.replies import Replies, complete
+from runtime.link.client_protocol import HEARTBEAT
 from runtime.transport.reader import ReaderRole
 from runtime.transport.wake_pipe import WakePipe
 

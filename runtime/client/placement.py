@@ -1,6 +1,7 @@
 """Where a client's request tensors go: ``Placement`` makes each request's encoder and lends blocks.
 
-Torch-free: imports the client's headers and shm session, and the transport's protocol.
+Torch-free: imports the client's replies and shm session, ``runtime.link.client_protocol`` (the
+register header) and the transport's protocol.
 
     Client._prepare:  encoder(session) -> PayloadEncoder: a tensor of >= shm_threshold bytes
                         lies in a block Client.empty lent? borrow(): sent where it lies
@@ -20,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from runtime.client.headers import register_header
 from runtime.client.replies import Replies
 from runtime.client.shm import ShmSession
+from runtime.link.client_protocol import register_header
 from runtime.transport.protocol import PayloadEncoder
 
 

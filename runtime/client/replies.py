@@ -1,6 +1,6 @@
 """What a client awaits from its server, and what each reply does: ``Replies``.
 
-Torch-free: imports the client's errors, headers and shm session, and the transport's protocol.
+Torch-free: imports the client's errors and shm session, ``runtime.link.client_protocol``, the protocol.
 ``handle`` runs in the reader, holding the socket (``runtime.client.connection``); the
 futures it answers go into a ``done`` list that ``complete`` resolves once the socket
 and every lock are released (their callbacks may call the client again).
@@ -50,12 +50,12 @@ import zmq
 
 from runtime.client.errors import (ConnectionLostError, HandshakeError, ServerError, ServerUnavailableError,
                                    error_from_reply)
-from runtime.client.headers import register_header
 from runtime.client.shm import ShmSession
 from runtime.core.errors import ProtocolError
 from runtime.core.futures import resolve
+from runtime.link.client_protocol import SUBMIT_REPLY_PREFIX, register_header
 from runtime.transport.endpoints import ipc_unreachable
-from runtime.transport.protocol import SUBMIT_REPLY_PREFIX, TensorResolver, numpy_tensor, numpy_view, torch_tensor, torch_view, unpack_header
+from runtime.transport.protocol import TensorResolver, numpy_tensor, numpy_view, torch_tensor, torch_view, unpack_header
 from runtime.transport.shm import sweep_stale
 
 log = logging.getLogger("phyrt.client")

@@ -1,6 +1,6 @@
 """Streams on the client: ``Client.stream`` and ``AsyncClient.stream`` iterate a request's chunks.
 
-Torch-free. The wire is ``runtime.transport.protocol``'s "stream" op:
+Torch-free. The wire is ``runtime.link.client_protocol``'s "stream" op:
 
     Client.stream(p): _submit(p, stream=StreamState) -- stream {payload, timeout_s} -->  server
     reader (a caller or the I/O thread): each chunk   <-- {result, seq} --------------

@@ -1,7 +1,8 @@
 """MessageHandler: what the server does with one client message, without a socket or threads of its own.
 
-Imports ``runtime.serving`` (requests, replies, shm, metrics), ``runtime.transport.protocol``
-and ``runtime.core.errors`` of the project.
+Imports ``runtime.serving`` (requests, replies, shm, metrics), ``runtime.link.client_protocol``
+(what each op may carry, its checks and its replies), ``runtime.transport.protocol`` and
+``runtime.core.errors`` of the project.
 
     handle(identity, [header, *tensor frames], turn)
       header: decoded one frame at a time, lengths bounded by the frame; op, id and fields checked
@@ -50,14 +51,14 @@ import torch
 import zmq
 
 from runtime.core.errors import EngineUnavailableError, ProtocolError
+from runtime.link.client_protocol import (HEADER_FIELDS, OP_FIELDS, PROTOCOL_VERSION, cancel_result, no_frames,
+                                          ping_result, register_fields, register_result, release_blocks,
+                                          submit_options)
 from runtime.serving.metrics import NullMetrics
 from runtime.serving.replies import Replies, Send
-from runtime.serving.requests import (HEADER_FIELDS, OP_FIELDS, InFlight, Rejected, Request, RunningHere, clip, no_frames,
-                                      outcome_of_result, register_fields, release_blocks, request_tensor,
-                                      submit_options)
+from runtime.serving.requests import InFlight, Rejected, Request, RunningHere, clip, outcome_of_result, request_tensor
 from runtime.serving.shm import ClientShm, ShmClientsFull, ShmSessions
-from runtime.transport.protocol import (MAX_TENSOR_FRAMES, PROTOCOL_VERSION, TensorResolver, is_request_id,
-                                        unpack_header)
+from runtime.transport.protocol import MAX_TENSOR_FRAMES, TensorResolver, is_request_id, unpack_header
 
 log = logging.getLogger("phyrt.server")
 
@@ -290,22 +291,22 @@ class MessageHandler:
             raise ProtocolError(f"cancel needs the target id of a submit, got {target!r}"[:300])
         req = self.requests.get((identity, target))
         if req is None or req.replied:
-            outcome = {"cancelled": False, "detail": f"request {target!r} is not in flight"}
+            outcome = cancel_result(False, f"request {target!r} is not in flight")
         elif req.stream is not None:  # its final reply follows once the runner let go of it
             req.stream.cancel()
-            outcome = {"cancelled": True, "detail": "the stream was cancelled"}
+            outcome = cancel_result(True, "the stream was cancelled")
         elif not self._cancellable:
-            outcome = {"cancelled": False, "detail": "requests on local replicas go to their ranks at once "
-                                                     "and cannot be cancelled"}
+            outcome = cancel_result(False, "requests on local replicas go to their ranks at once and cannot be "
+                                           "cancelled")
         elif req.future.cancel():  # its Cancelled reply follows from the done callback
-            outcome = {"cancelled": True, "detail": "cancelled while queued"}
+            outcome = cancel_result(True, "cancelled while queued")
         else:
-            outcome = {"cancelled": False, "detail": "already running"}
+            outcome = cancel_result(False, "already running")
         self.replies.ok(identity, "cancel", request_id, outcome)
 
     def _op_ping(self, identity: bytes, request_id: Any, header: dict, frames: list, client: Any) -> None:
         no_frames(frames)
-        self.replies.ok(identity, "ping", request_id, {"server_id": self.server_id, "time": time.time()})
+        self.replies.ok(identity, "ping", request_id, ping_result(self.server_id, time.time()))
 
     def _op_info(self, identity: bytes, request_id: Any, header: dict, frames: list, client: Any) -> None:
         no_frames(frames)
@@ -321,8 +322,8 @@ class MessageHandler:
             client = self.shm.register(identity, run_id, segments, pid)
         except ShmClientsFull as exc:
             raise Rejected("Overloaded", str(exc)) from None
-        self.replies.ok(identity, "register", request_id,
-                        {"run_id": client.run_id, "result_run_id": client.result_run_id, "mapped": segments})
+        result = register_result(client.run_id, client.result_run_id, segments)
+        self.replies.ok(identity, "register", request_id, result)
 
     def _op_release(self, identity: bytes, request_id: Any, header: dict, frames: list,
                     client: ClientShm | None) -> None:

@@ -1,6 +1,7 @@
 """Prometheus metrics of a serving process: what ``--metrics-port`` exposes.
 
-Imports nothing from the project. Needs ``prometheus-client`` (the ``serve`` extra)
+Imports only ``runtime.link.client_protocol`` (the ops and error types that label the
+counters) of the project. Needs ``prometheus-client`` (the ``serve`` extra)
 only once a ``ServerMetrics`` is made or a metrics server is started, so importing
 this module, and ``NullMetrics``, works without it.
 
@@ -37,13 +38,12 @@ from socketserver import ThreadingMixIn
 from typing import Any, Callable, Iterable, NamedTuple
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+from runtime.link.client_protocol import ERROR_TYPES, OPS
+
 __all__ = ["ERROR_TYPES", "OPS", "MetricsServer", "NullMetrics", "ReplicaSample", "ServerMetrics",
            "start_metrics_server"]
 
-#: the protocol's ops (runtime.client's docstring); anything else is counted as "other"
-OPS = ("submit", "stream", "cancel", "ping", "info", "register", "release")
-#: the protocol's error types (runtime.client.ERROR_TYPES); anything else is counted as "other"
-ERROR_TYPES = ("InvalidRequest", "DeadlineExceeded", "Overloaded", "EngineUnavailable", "PluginError", "Cancelled")
+# OPS and ERROR_TYPES (the protocol's) label the counters; anything else is counted as "other"
 #: request durations from 100 µs (a small request on the same host) to a minute (a long generation)
 LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0, 60.0)

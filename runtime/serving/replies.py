@@ -1,6 +1,7 @@
 """Replies: every reply of the server, and which thread sends a submit's one reply.
 
-Imports ``runtime.serving.requests`` and ``runtime.transport.protocol`` of the project.
+Imports ``runtime.serving.requests`` and ``runtime.link.client_protocol`` (every reply's
+fields) of the project.
 
     engine thread (done callback)       on_done(req, future) -> finish(req, outcome)
                                           claim_reply: True  -> send the reply here, at once
@@ -30,8 +31,8 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from runtime.link.client_protocol import error_reply, inputs_done, ok_reply, stream_chunk, stream_end
 from runtime.serving.requests import InFlight, Outcome, Request, outcome_of, outcome_of_result
-from runtime.transport.protocol import PROTOCOL_VERSION
 
 #: ``ServerSocket.send(identity, header, frames=()) -> bool``: ``header`` a dict or its packed bytes
 #: (a submit's reply, ``Outcome.result``); False when the reply could not be sent
@@ -55,11 +56,11 @@ class Replies:
     # -- replies of any op --------------------------------------------------------------
 
     def ok(self, identity: bytes, op: str, request_id: Any, result: Any) -> bool:
-        return self._send(identity, {"v": PROTOCOL_VERSION, "op": op, "id": request_id, "ok": True, "result": result})
+        return self._send(identity, ok_reply(op, request_id, result))
 
-    def error(self, identity: bytes, op: Any, request_id: Any, kind: str, message: str, **extra: Any) -> bool:
-        return self._send(identity, {"v": PROTOCOL_VERSION, "op": op, "id": request_id, "ok": False,
-                                     "error": {"type": kind, "message": message}, **extra})
+    def error(self, identity: bytes, op: Any, request_id: Any, kind: str, message: str,
+              inputs_held: bool | None = None) -> bool:
+        return self._send(identity, error_reply(op, request_id, kind, message, inputs_held))
 
     # -- a submit's outcome ---------------------------------------------------------------
 
@@ -68,9 +69,8 @@ class Replies:
         if req.replied or req.overflow:
             return
         outcome = outcome_of_result(req, chunk, None, chunk=True)
-        if outcome.error is None and self._send(req.identity, {
-                "v": PROTOCOL_VERSION, "op": "stream", "id": req.id, "ok": True, "result": outcome.result,
-                "seq": req.seq}, outcome.frames):
+        if outcome.error is None and self._send(req.identity, stream_chunk(req.id, outcome.result, req.seq),
+                                                outcome.frames):
             req.seq += 1
             return
         if outcome.blocks:
@@ -104,9 +104,7 @@ class Replies:
         if outcome.error is not None:
             sent = self.error(req.identity, req.op, req.id, *outcome.error)
         elif req.stream is not None:
-            sent = self._send(req.identity, {"v": PROTOCOL_VERSION, "op": "stream", "id": req.id, "ok": True,
-                                             "result": outcome.result, "seq": req.seq, "final": True},
-                              outcome.frames)
+            sent = self._send(req.identity, stream_end(req.id, outcome.result, req.seq), outcome.frames)
         else:
             sent = self._send(req.identity, outcome.result, outcome.frames)  # the packed reply
         if not sent and outcome.blocks:
@@ -136,7 +134,7 @@ class Replies:
                 if outcome.blocks:
                     req.client.release(outcome.blocks, mapped=False)
                 if req.notify_inputs:
-                    self._send(req.identity, {"v": PROTOCOL_VERSION, "op": "inputs_done", "id": req.id})
+                    self._send(req.identity, inputs_done(req.id))
                 continue
             req.replied = True  # (not reached: claim_reply sends every outcome that is neither late nor answered)
             self._reply(req, outcome)

@@ -1,10 +1,11 @@
-"""Requests on the server: what each op may carry, the requests in flight, and their replies.
+"""Requests on the server: the requests in flight, and their replies' outcomes.
 
-Imports only ``runtime.core.errors``, ``runtime.transport.protocol`` and ``runtime.serving.shm``
-from the project; torch, for the request tensors.
+Imports only ``runtime.core.errors``, ``runtime.transport.protocol``, ``runtime.link.client_protocol``
+and ``runtime.serving.shm`` from the project; torch, for the request tensors. What each op may
+carry, and its checks, are ``runtime.link.client_protocol``'s.
 
     I/O thread                                  engine thread (the future's done callback)
-    OP_FIELDS, submit_options(), ...: checks
+    client_protocol's checks
     Request(identity, id, ...); engine.submit
     InFlight.add(req): table, deadline heap     outcome_of(req, future): the encoded result
                                                   (frames, or blocks of the client's result
@@ -37,8 +38,9 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from runtime.core.errors import EngineUnavailableError, ProtocolError, RemoteError
-from runtime.transport.protocol import PROTOCOL_VERSION, PayloadEncoder, pack_plain
+from runtime.core.errors import EngineUnavailableError, RemoteError
+from runtime.link.client_protocol import submit_reply
+from runtime.transport.protocol import PayloadEncoder, pack_plain
 from runtime.serving.shm import ClientShm
 
 #: results at least this large go into the client's result arena when it asked for shm
@@ -46,17 +48,6 @@ RESULT_SHM_THRESHOLD = 64 * 1024
 MAX_MESSAGE_CHARS = 2000
 #: answered requests the deadline heap may hold beyond twice those in flight, before it drops them
 _DEADLINES_SLACK = 64
-#: the fields each op may carry besides HEADER_FIELDS; anything else is refused
-OP_FIELDS = {
-    "submit": frozenset({"payload", "timeout_s", "shm_results", "release"}),
-    "stream": frozenset({"payload", "timeout_s", "shm_results", "release"}),
-    "cancel": frozenset({"target"}),
-    "ping": frozenset(),
-    "info": frozenset(),
-    "register": frozenset({"run_id", "segments", "pid"}),
-    "release": frozenset({"blocks"}),
-}
-HEADER_FIELDS = frozenset({"v", "op", "id"})
 
 
 class Rejected(Exception):
@@ -115,44 +106,6 @@ class Outcome:
         self.blocks = blocks if blocks is not None else []
         self.error = error
         self.late = late  # completed after its deadline
-
-
-def no_frames(frames: list) -> None:
-    if frames:
-        raise ProtocolError(f"this op takes no tensor frames, got {len(frames)}")
-
-
-def submit_options(header: dict[str, Any]) -> tuple[float | None, bool]:
-    """A submit's ``timeout_s`` and ``shm_results``; ProtocolError if it has no payload or bad values."""
-    if "payload" not in header:
-        raise ProtocolError("submit needs a payload")
-    timeout_s = header.get("timeout_s")
-    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
-                                  or not 0 < timeout_s <= 1e7):
-        raise ProtocolError(f"timeout_s must be a number of seconds in (0, 1e7], got {timeout_s!r}"[:300])
-    shm_results = header.get("shm_results", False)
-    if not isinstance(shm_results, bool):
-        raise ProtocolError(f"shm_results must be a bool, got {shm_results!r}"[:300])
-    return timeout_s, shm_results
-
-
-def register_fields(header: dict[str, Any]) -> tuple[Any, list[str], int | None]:
-    """A register's ``run_id`` (checked by ``ShmSessions``), ``segments`` and ``pid``."""
-    run_id, segments, pid = header.get("run_id"), header.get("segments", []), header.get("pid")
-    if not isinstance(segments, list) or not all(isinstance(s, str) for s in segments):
-        raise ProtocolError("segments must be a list of segment names")
-    if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid < 2**31):
-        raise ProtocolError(f"pid must be a process id, got {pid!r}"[:300])
-    return run_id, segments, pid
-
-
-def release_blocks(blocks: Any) -> list[tuple[str, int]] | None:
-    """The well-formed ``[segment, offset]`` pairs of a release's ``blocks`` (or a submit's
-    ``release``); None if ``blocks`` is not a list of at most 4096."""
-    if not isinstance(blocks, list) or len(blocks) > 4096:
-        return None
-    return [(b[0], b[1]) for b in blocks if isinstance(b, list) and len(b) == 2
-            and isinstance(b[0], str) and isinstance(b[1], int) and not isinstance(b[1], bool)]
 
 
 def request_tensor(buf: memoryview, name: str, shape: list[int]) -> torch.Tensor:
@@ -319,10 +272,9 @@ class RunningHere:
 
 def _encode_result(req: Request, result: Any, submit: bool) -> Outcome:
     """The encoded result: a ``Packed`` value, or with ``submit`` the whole reply of a submit
-    (``{"v", "op": "submit", "id", "ok": True, "result"}``, packed in one go: the bytes
-    ``pack_header`` makes of it)."""
+    (``submit_reply``, packed in one go: the bytes ``pack_header`` makes of it)."""
     if submit:
-        header = {"v": PROTOCOL_VERSION, "op": "submit", "id": req.id, "ok": True, "result": result}
+        header = submit_reply(req.id, result)
         body: Any = pack_plain(header, "result")  # no tensor: no encoder
         if body is not None:
             return Outcome(result=body)

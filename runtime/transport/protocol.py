@@ -1,4 +1,4 @@
-"""The client/server protocol: frames, tensor references, and their validation.
+"""The client/server protocol's frames: headers, tensor references, and their validation.
 
 Leaf module: imports nothing from the project but ``runtime.core.errors``,
 ``runtime.transport.bulk_copy`` and the codec core (``codec``: dtypes, checks, msgpack's
@@ -26,56 +26,13 @@ dtypes: float16 float32 float64 bfloat16 int8 int16 int32 int64 uint8 bool. Shap
 are ints in [0, 2**40) (the engine's wire allows larger ones); a message carries at most
 MAX_TENSOR_FRAMES tensor frames.
 
-Requests (client -> server), always ``{"v": 1, "op": OP, "id": ID, ...}``; ``ID`` is
-an int in [0, 2**64) or a str of at most 128 characters, chosen by the client and
-unique among that connection's requests in flight:
-
-    submit    payload, [timeout_s: seconds, the request's deadline], [shm_results: bool],
-              [release: blocks, as a release's; freed once the request is answered or queued]
-    stream    the fields of a submit; the result comes as chunks (below); timeout_s bounds
-              the whole stream
-    cancel    target: the id of a submit (only a request still queued on an inline
-              engine can be cancelled; local replicas run what they were sent), or of a
-              stream (always: its runner drops it; the stream's final reply still follows)
-    ping      -                       -> {server_id, time}
-    info      -                       -> plugin, topology, replicas' health and
-                                         in-flight counts, versions, limits
-    register  run_id, segments, [pid] -> {run_id, result_run_id, mapped}   (ipc:// only)
-    release   blocks: [[segment, offset], ...]   (no reply)
-
-Replies (server -> client): ``{"v": 1, "op": OP, "id": ID, "ok": true, "result": ...}``
-or ``{..., "ok": false, "error": {"type": T, "message": M}}`` with T one of
-``ERROR_TYPES`` (the exception types are in ``runtime.client.errors``). A message
-that cannot be parsed gets ``op`` and ``id`` null. A submit reply may carry
-``inputs_held: true`` (see below). The server may also send
-``{"op": "inputs_done", "id": ID}`` unasked.
-
-Streams. A ``stream`` request gets any number of chunk replies
-``{"v": 1, "op": "stream", "id": ID, "ok": true, "result": CHUNK, "seq": N}`` (N = 0, 1, ...
-in order), then one final reply: ``{..., "ok": true, "result": LAST_CHUNK, "seq": N, "final":
-true}`` or an error reply (``"op": "stream"``), which ends it too. What a chunk holds is the
-plugin's (``runtime.core.plugins``); a plugin that does not stream sends its result as the
-last chunk. Flow control: the server keeps no chunk; each goes out at once, and ZMQ's queue
-toward that client (SNDHWM, 1000 messages) is the bound. A chunk that finds it full cancels
-the stream, whose final reply is then an ``Overloaded`` error; a gap in ``seq`` tells the
-client a chunk was lost.
-
-Same-host shared memory (ipc:// only). Inputs: the client creates segments in its
-own ``ShmArena`` (run id of its own) and registers each one before the first request
-that refers to it; the server maps only the segments that connection registered,
-checks every offset and size, and unlinks each name right after mapping it, so a
-crash of either side leaves nothing in /dev/shm. A block is reused only once the
-server is done with it: at the request's reply, or, if that reply said
-``inputs_held`` (a deadline fired while the plugin still read the block), at
-``inputs_done``. Results: with ``shm_results`` the server places large result
-tensors in an arena it keeps for that connection, and never touches a block again
-until the client sends its ``release``; the client hands the caller views of the
-blocks (no copy) and gives them back once those are collected: in its next submit's
-``release`` field, or as a ``release`` sent before its next other message, at the latest
-with its next heartbeat. A release's first use of a segment also tells the server the
-client has mapped it, so the server unlinks that name. The server drops a connection's shared memory (and unlinks what is
-left) when the ``pid`` it registered with is gone, or after ``client_timeout_s`` of
-silence (the client pings every heartbeat interval).
+The messages themselves (the ops, their fields and checks, the replies, the builders
+of both sides) are ``runtime.link.client_protocol``'s; docs/protocol.md is the page a client
+in another language is written from. This module is the frame codec under them: every header
+carries ``v`` (``PROTOCOL_VERSION``, checked by ``unpack_header``) and an ``id``
+(``is_request_id``). Shared memory (ipc:// only): a client registers its own segments, and
+the server maps only those, checks every offset and size, and unlinks each name right after
+mapping it (``runtime.serving.shm``, ``runtime.client.shm``).
 
 Decoding treats its input as untrusted: every failure raises ``ProtocolError``.
 
@@ -102,9 +59,8 @@ from runtime.transport import bulk_copy, codec
 from runtime.transport.codec import ITEMSIZE, MAX_DEPTH, MAX_NDIM, check_dtype
 
 __all__ = ["PROTOCOL_VERSION", "EXT_FRAME", "EXT_SHM", "MAX_DEPTH", "MAX_NDIM", "MAX_TENSOR_FRAMES", "MAX_ID_CHARS",
-           "DEFAULT_SHM_THRESHOLD", "ERROR_TYPES", "ITEMSIZE", "is_request_id", "PayloadEncoder", "Packed",
-           "pack_header", "unpack_header", "SUBMIT_REPLY_PREFIX", "TensorResolver", "numpy_tensor", "numpy_view", "torch_tensor",
-           "torch_view"]
+           "DEFAULT_SHM_THRESHOLD", "ITEMSIZE", "is_request_id", "PayloadEncoder", "Packed", "pack_header",
+           "unpack_header", "TensorResolver", "numpy_tensor", "numpy_view", "torch_tensor", "torch_view"]
 
 PROTOCOL_VERSION = 1
 EXT_FRAME, EXT_SHM = 1, 2
@@ -112,7 +68,6 @@ MAX_TENSOR_FRAMES = 256
 MAX_ID_CHARS = 128
 #: tensors at least this large go through shared memory when it is available
 DEFAULT_SHM_THRESHOLD = 64 * 1024
-ERROR_TYPES = ("InvalidRequest", "DeadlineExceeded", "Overloaded", "EngineUnavailable", "PluginError", "Cancelled")
 
 _DIM_BOUND = 1 << 40
 _REFUSAL = "cannot send a {}"
@@ -233,11 +188,6 @@ class Packed:
 
 #: the header fields that may hold a ``Packed`` value, and their msgpack bytes
 _PACKED_FIELDS = {key: msgpack.packb(key) for key in ("payload", "result")}
-
-
-#: how every successful submit's reply starts, up to its id: a map of five fields, ``v``, ``op``
-#: ("submit"), ``id``, ``ok`` (True) and ``result``, in that order (the server packs it so)
-SUBMIT_REPLY_PREFIX = b"\x85" + b"".join(map(msgpack.packb, ("v", PROTOCOL_VERSION, "op", "submit", "id")))
 
 
 def pack_header(header: dict[str, Any]) -> bytes:

@@ -1,0 +1,103 @@
+"""The engine<->ranks messages of a local replica, defined once: their types, who sends each on
+which socket, and their fields. ``runtime.transport.wire`` is the codec under them: every message
+is ``wire.pack_message(TYPE, id, **fields)``, one msgpack map ``{"v": 1, "type", "id", **fields}``.
+
+Torch-free; imports only ``runtime.core.errors`` of the project.
+
+    engine (supervisor)                                       rank (workers.main)
+    inbox PUSH ipc://RUN/in-R-r  -- REQUEST, CANCEL -------->  PULL            (INBOX)
+    ctl ROUTER ipc://RUN/ctl     -- FREE, SHUTDOWN -------->  DEALER "c-R-r"  (CONTROL)
+                                 <- READY, STARTUP_ERROR,     the main thread  (ANSWERS)
+                                    DONE, PARTIAL ----------
+    hb ROUTER ipc://RUN/hb       <- HB --------------------  DEALER "h-R-r"  (heartbeat thread)
+
+The call sites keep calling ``wire.pack_message``/``wire.unpack_message`` themselves, with these
+constants (tests replace those two functions inside a rank); nothing here runs per message but
+``error_fields`` and ``remote_error``, on the error paths. tests/test_rank_protocol.py checks every
+pack site's fields against ``MESSAGES``.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.core.errors import RemoteError
+
+__all__ = ["REQUEST", "CANCEL", "FREE", "SHUTDOWN", "READY", "STARTUP_ERROR", "DONE", "PARTIAL", "HB", "Message",
+           "MESSAGES", "INBOX", "CONTROL", "ANSWERS", "ERROR_FIELDS", "error_fields", "remote_error"]
+
+REQUEST = "request"
+CANCEL = "cancel"
+FREE = "free"
+SHUTDOWN = "shutdown"
+READY = "ready"
+STARTUP_ERROR = "startup_error"
+DONE = "done"
+PARTIAL = "partial"
+HB = "hb"
+
+#: how a rank reports an exception: its type's qualified name, its text and its traceback text
+ERROR_FIELDS = ("error_type", "message", "traceback")
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One message type: its sender ("engine" or "rank"), the socket it travels on ("inbox",
+    "ctl" or "hb"), what its ``id`` is, and its fields besides ``v``, ``type`` and ``id``."""
+
+    type: str
+    sender: str
+    socket: str
+    id: str
+    required: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
+
+    @property
+    def fields(self) -> frozenset[str]:
+        return frozenset(self.required + self.optional)
+
+
+MESSAGES = {m.type: m for m in (
+    # a request for every rank of the replica, in the same order; ``stream``: True for a stream
+    Message(REQUEST, "engine", "inbox", "the request's id", ("payload",), ("stream",)),
+    # a stream's cancel, behind its request on the same inbox
+    Message(CANCEL, "engine", "inbox", "the stream's request id"),
+    # result blocks the engine is done with, back to the rank whose arena holds them
+    Message(FREE, "engine", "ctl", "0", ("blocks",)),
+    Message(SHUTDOWN, "engine", "ctl", "0"),
+    # the rank booted; ``segments``: its result arena's segments, for the engine to map
+    Message(READY, "rank", "ctl", "the rank", ("segments",)),
+    Message(STARTUP_ERROR, "rank", "ctl", "the rank", ERROR_FIELDS),
+    # from every rank for every request; the output rank's carries ``result``, a failure ERROR_FIELDS
+    Message(DONE, "rank", "ctl", "the request's id", ("ok",), ("result", *ERROR_FIELDS)),
+    # a stream's chunk, from the output rank only, before the stream's DONE
+    Message(PARTIAL, "rank", "ctl", "the request's id", ("chunk",)),
+    # every heartbeat_interval_s, from each rank's heartbeat thread
+    Message(HB, "rank", "hb", "a count of the beats sent"),
+)}
+
+
+def _types(sender: str, socket: str) -> frozenset[str]:
+    return frozenset(m.type for m in MESSAGES.values() if m.sender == sender and m.socket == socket)
+
+
+#: what a rank reads from its inbox, from the ctl socket, and what the engine reads from the ctl ROUTER
+INBOX = _types("engine", "inbox")
+CONTROL = _types("engine", "ctl")
+ANSWERS = _types("rank", "ctl")
+
+
+def error_fields(exc: BaseException) -> dict[str, str]:
+    """``exc`` as a STARTUP_ERROR's or a failed DONE's fields (``ERROR_FIELDS``)."""
+    return {
+        "error_type": f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+    }
+
+
+def remote_error(msg: dict[str, Any]) -> RemoteError:
+    """The exception a rank reported in ``msg`` (``error_fields``), as the engine raises it."""
+    return RemoteError(str(msg.get("error_type")), str(msg.get("message")), str(msg.get("traceback", "")))
