@@ -20,9 +20,9 @@ A local deployment with ``replica_restarts`` rebuilds failed replicas in the bac
 ``empty(shape, dtype)`` gives a tensor where the replica's transport reads it directly (a
 local replica's request shared memory), so that a large input crosses with no copy.
 
-``step`` submits inside ``runtime.transport.reader.expect_wait()``: the thread announces
-that it waits next, and a local replica's channel may let it read its own answer. A
-server reaches an idle inline replica through ``inline_runner()`` (see
+``step`` runs through the dispatcher's ``call``: the calling thread waits there, and a
+local replica lets it read its own answer (``submit``'s future only waits: whichever
+thread reads the answers completes it). A server reaches an idle inline replica through ``inline_runner()`` (see
 ``runtime.execution.inline.IdleRunner``); nothing else crosses these layers.
 """
 
@@ -37,7 +37,6 @@ from runtime.execution.dispatcher import RequestDispatcher
 from runtime.core.errors import EngineUnavailableError
 from runtime.execution.executor import ReplicaExecutor, ReplicaStatus
 from runtime.core.plugins import Entry, resolve_plugin
-from runtime.transport.reader import expect_wait
 
 if TYPE_CHECKING:
     from runtime.execution.inline import IdleRunner
@@ -214,15 +213,10 @@ class Engine:
         time; a request that was still queued is then cancelled, one that was
         running goes on and its result is dropped.
         """
-        with expect_wait():  # this thread waits next: a local replica may let it read its own answer
-            future = self.submit(request)
-        try:
-            return future.result(timeout)
-        except TimeoutError:
-            if future.done() and not future.cancelled():
-                return future.result()
-            state = "cancelled while queued" if future.cancel() else "still running; its result is dropped"
-            raise TimeoutError(f"no result within {timeout} s (the request was {state})") from None
+        if not self._finalizer.alive:
+            raise EngineUnavailableError("the engine is closed")
+        self._entry.validate_request(request)
+        return self._dispatcher.call(request, timeout)
 
     # -- state ---------------------------------------------------------------------
 

@@ -1,19 +1,20 @@
 """The request channel: a request goes to every inbox of its group, and its answer comes back
 to the thread that waits for it.
 
-    caller: submit(replica, request, future)
+    caller: submit(replica, request, future)                  (Engine.submit: a plain Future)
       encode (tensors -> the group's request arena)
       under role.lock: register pending, then send on each rank's inbox PUSH --> PULL (every rank)
-        inside expect_wait() (Engine.step): role.reserve(): this thread reads next
-        else, nobody reading: wake the watch thread (the fallback reader)
-    caller: future.result() -> role.wait(future, timeout, read)
-      the reader: poll ctl ROUTER + role.fd, AnswerReader.take/after_poll, until its future is done
-      not the reader: sleeps on the future; the reader completes it
+        nobody reading: wake the watch thread (the fallback reader), which completes the future
+    caller: start_call(replica, request) -> Slot               (Engine.step)
+      take the reader role if it is free, then submit as above (nobody else is woken)
+    caller: finish_call(slot, timeout) -> role.wait(slot, timeout, read)
+      the reader: poll ctl ROUTER + role.fd, AnswerReader.take/after_poll, until its slot is done
+      not the reader: sleeps on the slot; the reader completes it
 
 Reader role. Handing every answer from the I/O thread to the waiting caller costs a thread
 switch and a fight for the GIL per round trip, so ``runtime.transport.reader.ReaderRole``
-decides who reads the ROUTER: a caller waiting on its own future when the role is free,
-else the watch thread (``supervisor.watch``). Its ``lock`` is the submit lock too, so the
+decides who reads the ROUTER: a caller of ``start_call`` waiting on its own slot when the
+role is free, else the watch thread (``supervisor.watch``). Its ``lock`` is the submit lock too, so the
 pending requests (``answers_due``) and the holder change together. When the ranks leave
 this process a core, the reading caller polls for ``budget_ns("caller")`` before it sleeps.
 
@@ -46,6 +47,8 @@ import zmq
 
 from runtime.core.config import WorkerSupervisorConfig
 from runtime.core.errors import EngineUnavailableError
+from runtime.core.futures import Slot
+from runtime.link import rank_protocol as rp
 from runtime.transport import wire
 from runtime.transport.reader import ReaderRole
 from runtime.transport.spin import Spinner
@@ -61,32 +64,6 @@ _POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 _NOBLOCK = int(zmq.NOBLOCK)
 
 
-class ChannelFuture(Future):
-    """A local request's future: ``result()`` and ``exception()`` wait through the reader role,
-    so that the waiting thread reads its own answer when no other thread does."""
-
-    def __init__(self, role: ReaderRole, read: Callable[[Future, float | None], None]) -> None:
-        super().__init__()
-        self._role, self._read = role, read
-
-    # waits even when done: the role may be reserved for this thread (its submit said it
-    # would wait), and a future failed meanwhile must give the reservation up
-    def result(self, timeout: float | None = None) -> Any:
-        return super().result(self._wait(timeout))
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        return super().exception(self._wait(timeout))
-
-    def _wait(self, timeout: float | None) -> float | None:
-        """Wait through the role; the time left of ``timeout`` for the plain wait after it."""
-        if timeout is None:
-            self._role.wait(self, None, self._read)
-            return None
-        deadline = time.monotonic() + timeout
-        self._role.wait(self, timeout, self._read)
-        return max(0.0, deadline - time.monotonic())
-
-
 class RequestChannel:
     def __init__(self, groups: list[GroupState], role: ReaderRole, answers: AnswerReader, failures: Failures,
                  router: zmq.Socket, config: WorkerSupervisorConfig, spin_ns: int,
@@ -98,10 +75,28 @@ class RequestChannel:
         self._ids = itertools.count()
         self.wake_at = 0.0  # when the watch thread next wakes by itself (monotonic; it sets this)
 
-    def new_future(self) -> ChannelFuture:
-        return ChannelFuture(self.role, self.read)
+    def start_call(self, replica: int, request: Any, then: Callable[[], None] | None = None) -> Slot:
+        """``Engine.step``: ``request`` sent with a ``Slot`` for its answer (``then()`` once it is
+        answered or failed), the calling thread made the socket's reader first when nobody is (so
+        nobody else is woken to read it)."""
+        slot = Slot(then)
+        reading = self.role.take_free()
+        try:
+            self.submit(replica, request, slot)
+        except BaseException:
+            if reading:
+                self.role.leave()
+            raise
+        return slot
 
-    def submit(self, replica: int, request: Any, future: Future, stream: Any = None) -> None:
+    def finish_call(self, slot: Slot, timeout: float | None) -> Any:
+        """``start_call``'s answer: read here while this thread is (or can become) the reader, else
+        slept for; the role is given up at the end."""
+        if not self.role.wait(slot, timeout, self.read):
+            raise TimeoutError(f"no result within {timeout} s (the request was still running; its result is dropped)")
+        return slot.result()
+
+    def submit(self, replica: int, request: Any, future: Future | Slot, stream: Any = None) -> None:
         """Send ``request`` to every rank of ``replica``; ``future`` gets the output rank's answer,
         ``stream`` (a ``StreamCall``, for a streamed request) its chunks before that."""
         group = self._groups[replica]
@@ -137,7 +132,7 @@ class RequestChannel:
     def cancel(self, replica: int, request_id: int) -> None:
         """A stream's cancel hook: "cancel" to every rank of ``replica`` while the request is pending."""
         group = self._groups[replica]
-        message = wire.pack_message("cancel", request_id)
+        message = wire.pack_message(rp.CANCEL, request_id)
         with self.role.lock:
             if self.role.closed or group.failed is not None or request_id not in group.pending:
                 return
@@ -156,10 +151,10 @@ class RequestChannel:
             encoder = wire.TensorEncoder(allocator=allocator)
         try:
             if stream:
-                payload = wire.pack_message("request", request_id, payload=request, stream=True,
+                payload = wire.pack_message(rp.REQUEST, request_id, payload=request, stream=True,
                                             tensor_encoder=encoder)
             else:
-                payload = wire.pack_message("request", request_id, payload=request, tensor_encoder=encoder)
+                payload = wire.pack_message(rp.REQUEST, request_id, payload=request, tensor_encoder=encoder)
         except Exception:
             if group.failed is None:
                 raise
@@ -194,9 +189,7 @@ class RequestChannel:
                         del group.pending[request_id]
                     return [i], i > 0
             # the watch thread reads when nobody else does (or sleeps past this deadline)
-            wake = pending.deadline is not None and pending.deadline < self.wake_at
-            if self.role.holder is None and not self.role.reserve():
-                wake = True
+            wake = self.role.holder is None or (pending.deadline is not None and pending.deadline < self.wake_at)
         if wake:
             self._wake_watch()
         return [], True

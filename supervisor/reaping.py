@@ -50,18 +50,22 @@ EXIT_CODE_WAIT_S = 1.0
 class Reaping:
     """The reaper threads of the groups that ended, and the release of their ranks."""
 
-    def __init__(self, run_id: str, wake_readers: Callable[[], None]) -> None:
+    def __init__(self, run_id: str, wake_readers: Callable[[], None], failed: Callable[[int], None]) -> None:
+        """``failed(group index)``: told on the reaper thread, once the futures of a group that
+        failed (not one closed) have failed."""
         self.lock = threading.Lock()
         self.threads: list[threading.Thread] = []
         self._run_id = run_id
         self._wake_readers = wake_readers
+        self._failed = failed
         self._bound_s = 0.0  # the longest a reaper started so far may take
 
     def stop(self, group: GroupState, pending: dict[int, PendingRequest], message: str,
              cause: BaseException | None, polite: bool) -> None:
         """Start ``group``'s reaper: called once per group, at the end of its serving (the
-        caller made that transition); ``pending``: futures it fails first (off the caller's thread)."""
-        reaper = threading.Thread(target=self._reap, args=(group.ranks, pending, message, cause, polite),
+        caller made that transition); ``pending``: futures it fails first (off the caller's thread).
+        ``polite``: the group is closed (its ranks asked to shut down), not failed."""
+        reaper = threading.Thread(target=self._reap, args=(group, pending, message, cause, polite),
                                   name=f"phyrt-reaper-{group.index}", daemon=True)
         with self.lock:
             self._bound_s = max(self._bound_s, stop_bound_s(len(group.ranks), polite) + EXIT_CODE_WAIT_S)
@@ -78,16 +82,18 @@ class Reaping:
             if reaper.is_alive():
                 log.error("%s has not finished stopping its ranks within %.0f s", reaper.name, bound)
 
-    def _reap(self, ranks: list[RankState], pending: dict[int, PendingRequest], message: str,
+    def _reap(self, group: GroupState, pending: dict[int, PendingRequest], message: str,
               cause: BaseException | None, polite: bool) -> None:
         try:
             fail_futures(pending, message, cause)
             self._wake_readers()
+            if not polite:
+                self._failed(group.index)
         finally:  # whatever happens above, the ranks are stopped and released
             try:
-                stop_ranks([r.process for r in ranks], polite=polite)
+                stop_ranks([r.process for r in group.ranks], polite=polite)
             finally:
-                self.release(ranks)
+                self.release(group.ranks)
 
     def release(self, ranks: list[RankState]) -> None:
         """Close the ``Process`` of each stopped rank (its sentinel and its other pipe), waiting

@@ -36,7 +36,7 @@ import shutil
 import tempfile
 import threading
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -48,7 +48,7 @@ from runtime.transport.spin import budget_ns, usable_cores
 from runtime.transport.wake_pipe import WakePipe
 from supervisor.answers import AnswerReader, answers_due
 from supervisor.boot import Launcher, Startup
-from supervisor.channel import ChannelFuture, RequestChannel
+from supervisor.channel import RequestChannel
 from supervisor.failure import CLOSED, Failures
 from supervisor.groups import GroupState, lend_tensor
 from supervisor.processes import SpawnThread
@@ -86,7 +86,9 @@ class WorkerSupervisor:
         self._wakeup = WakePipe()  # wakes the watch thread
         self._startup = Startup(self._groups, self._mapper, config.startup_timeout_s, cancel)
         self._role = ReaderRole(lambda: answers_due(self._groups, self._startup), self._wakeup.wake)
-        self._reaping = Reaping(self.run_id, self._role.wake)
+        self._listeners: dict[int, list[Callable[[], None]]] = {}  # group -> told once it failed
+        self._listeners_lock = threading.Lock()
+        self._reaping = Reaping(self.run_id, self._role.wake, self._tell_failed)
         self._failures = Failures(self._role.lock, self._reaping, self._startup, self._role.wake)
         self._answers: AnswerReader | None = None  # once the ranks are spawned
         self._watch: Watch | None = None
@@ -129,16 +131,36 @@ class WorkerSupervisor:
         """Why ``replica``'s group stopped serving ("the engine is closed" after close); None while healthy."""
         return self._groups[replica].failed
 
-    def new_future(self) -> ChannelFuture:
-        """A future whose ``result()`` and ``exception()`` read the answers themselves when no
-        other thread does (``supervisor.channel``)."""
-        return self._channel.new_future()
+    def on_group_failure(self, replica: int, callback: Callable[[], None]) -> None:
+        """``callback()`` once ``replica``'s group fails (not at close), on its reaper thread after its
+        futures failed, holding no lock of ours. One registered after its group failed is not
+        called: look at ``group_error`` after registering."""
+        with self._listeners_lock:
+            self._listeners.setdefault(replica, []).append(callback)
+
+    def _tell_failed(self, replica: int) -> None:
+        with self._listeners_lock:
+            callbacks = self._listeners.pop(replica, [])
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # one listener's trouble must not stop the reaper
+                log.exception("a listener of replica group %d's failure raised", replica)
+
+    def start_call(self, replica: int, request: Any, then: Callable[[], None] | None = None) -> Any:
+        """``Engine.step``'s send: ``submit`` with a waitable for ``finish_call`` (``then()`` once the
+        request is answered or failed), the calling thread made the reader of the answers first
+        when nobody reads (``supervisor.channel``)."""
+        return self._channel.start_call(replica, request, then)
+
+    def finish_call(self, waitable: Any, timeout: float | None) -> Any:
+        """The answer to ``start_call``'s request, read (or waited for) in the calling thread."""
+        return self._channel.finish_call(waitable, timeout)
 
     def submit(self, replica: int, request: Any, future: Future, stream: Any = None) -> None:
         """Send ``request`` to every rank of ``replica``; ``future`` gets the output rank's answer,
-        ``stream`` (a ``StreamCall``) the chunks a streamed request sends before it.
-        Inside ``runtime.transport.reader.expect_wait()`` the reader role is reserved for the
-        calling thread, so that no other thread is woken to read."""
+        ``stream`` (a ``StreamCall``) the chunks a streamed request sends before it. The future is
+        completed by whichever thread reads the answers (the watch thread when no caller does)."""
         self._channel.submit(replica, request, future, stream)
 
     def empty(self, replica: int, shape: tuple[int, ...], dtype: Any) -> Any:

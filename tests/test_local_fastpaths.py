@@ -31,7 +31,6 @@ import pytest
 import torch
 
 from runtime import EngineUnavailableError
-from runtime.transport.reader import expect_wait
 from tests.conftest import (WatchedLock, close_engine, group_pids, inbox_connected, pid_alive, polls, start_engine,
                             supervisor_of, wait_until)
 from tests.plugins import mark_files
@@ -309,22 +308,22 @@ def test_a_rank_looks_for_its_next_request_a_moment_after_answering_then_sleeps(
 
 @pytest.mark.usefixtures("no_leaks")
 def test_a_step_whose_request_failed_before_it_waited_leaves_the_reading_to_others():
-    """Engine.step's submit reserves the reading for its thread; a request failed before that
-    thread waits must not keep the reservation (nobody would read the other replica's answers)."""
+    """Engine.step's start takes the reading for its thread before it sends; a request failed
+    before that thread waits must not keep the role (nobody would read the other replica's answers)."""
     with local_engine(replicas=2, heartbeat_timeout_s=60.0) as engine:
         sup = supervisor_of(engine)
         victim = engine._dispatcher.executors[0]
         [pid] = group_pids(engine, 0)
         # the I/O thread takes the role a moment to give result blocks of the warm-up back: a
-        # submit reserves it only when it is free
+        # step takes it only when it is free
         assert wait_until(lambda: sup._role.holder is None and not sup._answers.frees_waiting(), 10)
-        with expect_wait():  # as Engine.step submits
-            future = victim.submit({"op": "sleep", "s": 30.0})
+        victim.reserve()
+        slot = victim.start_call({"op": "sleep", "s": 30.0})  # as Engine.step sends
         assert sup._role.holder == threading.get_ident()
         os.kill(pid, signal.SIGKILL)
-        assert wait_until(future.done, 10)  # failed before this thread waits on it
+        assert wait_until(slot.done, 10)  # failed before this thread waits on it
         with pytest.raises(EngineUnavailableError):
-            future.result(5)
+            victim.finish_call(slot, 5)
         assert sup._role.holder is None
         # a future of the other replica that nobody waits on is read (by the I/O thread)
         other = submit_to(engine, 1, {"op": "pid"})

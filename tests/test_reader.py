@@ -16,7 +16,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from runtime.transport.reader import ReaderRole, expect_wait, wait_expected
+from runtime.transport.reader import ReaderRole
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -194,23 +194,18 @@ def test_a_callback_of_the_reader_that_waits_reads_nested_and_keeps_the_role(cha
     assert channel.role.holder is None
 
 
-def test_a_reservation_only_for_a_thread_that_announced_its_wait(channel):
-    with channel.role.lock:
-        assert not channel.role.reserve()
-    assert not wait_expected()
-    with expect_wait():
-        assert wait_expected()
-        with channel.role.lock:
-            assert channel.role.reserve()
-    assert not wait_expected()
+def test_a_role_taken_before_the_send_is_kept_and_given_up_by_the_wait(channel):
+    """As ``supervisor.channel.start_call`` does: the caller takes the free role, then sends."""
+    assert channel.role.take_free()
+    assert not channel.role.take_free()  # held (by this very thread: its wait re-enters)
     assert channel.role.held_here()
-    # another thread cannot take a reserved role
+    # another thread cannot take a held role
     other = threading.Thread(target=lambda: seen.append(channel.role.take()))
     seen: list[bool] = []
     other.start()
     other.join(5)
     assert seen == [False]
-    # the future failed before its waiter came: the wait gives the reservation up all the same
+    # the future failed before its waiter came: the wait gives the role up all the same
     _, future = channel.submit()
     future.set_exception(RuntimeError("failed elsewhere"))
     assert channel.role.wait(future, 1.0, channel.read)

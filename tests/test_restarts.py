@@ -36,12 +36,19 @@ class StandInSupervisor:
     def __init__(self, groups: int = 1) -> None:
         self.failed: list[str | None] = [None] * groups
         self.closed = threading.Event()
+        self.listeners: dict[int, list] = {}
 
     def group_error(self, group: int) -> str | None:
         return self.failed[group]
 
-    def new_future(self) -> Future:
-        return Future()
+    def on_group_failure(self, group: int, callback) -> None:
+        self.listeners.setdefault(group, []).append(callback)
+
+    def fail(self, group: int, reason: str) -> None:
+        """As a group failing does: the flag, then (on a thread of its own) its listeners."""
+        self.failed[group] = reason
+        for callback in self.listeners.pop(group, []):
+            threading.Thread(target=callback).start()
 
     def submit(self, group: int, request, future: Future, stream=None) -> None:
         future.set_result((id(self), group, request))
@@ -92,7 +99,7 @@ def test_failed_starts_count_their_waits_double_and_the_replica_is_given_up(capl
     try:
         with caplog.at_level(logging.WARNING, logger="phyrt.engine"):
             failed_at = time.monotonic()
-            shared.failed[0] = "rank 0 exited with SIGKILL"
+            shared.fail(0, "rank 0 exited with SIGKILL")
             status = controller.statuses()[0]  # seen at once, not only by the next poll
             assert (status.healthy, status.restarting, status.restarts) == (False, True, 1)
             assert "SIGKILL" in status.error
@@ -128,18 +135,18 @@ def test_a_rebuilt_replica_is_swapped_in_and_an_unused_supervisor_closed():
 
     shared, dispatcher, controller = stand_in_engine(2, start, max_restarts=1, backoff=0.01)
     try:
-        shared.failed[0] = "rank 0 missed its heartbeats"
+        shared.fail(0, "rank 0 missed its heartbeats")
         assert wait_until(lambda: controller.statuses()[0].healthy, 5)
         assert controller.statuses()[0].restarts == 1 and controller.statuses()[0].error is None
         assert not shared.closed.is_set()  # still replica 1's
         answers = {dispatcher.submit({"n": n}).result(1)[:2] for n in range(4)}
         assert answers == {(id(built[0]), 0), (id(shared), 1)}  # both replicas serve
 
-        shared.failed[1] = "rank 0 exited with code 3"
+        shared.fail(1, "rank 0 exited with code 3")
         assert wait_until(lambda: controller.statuses()[1].healthy, 5)
         assert shared.closed.wait(5)  # no replica uses it any more
 
-        built[0].failed[0] = "rank 0 exited with SIGKILL"  # replica 0's budget is spent
+        built[0].fail(0, "rank 0 exited with SIGKILL")  # replica 0's budget is spent
         assert wait_until(lambda: not controller.statuses()[0].restarting
                           and not controller.statuses()[0].healthy, 5)
         assert built[0].closed.wait(5)  # its own supervisor goes at once
@@ -160,14 +167,14 @@ def test_close_cuts_a_backoff_short_and_closes_a_start_that_ends_after_it():
         return MultiprocessExecutor(late[-1], index, (index,), group=0)
 
     shared, dispatcher, controller = stand_in_engine(1, slow_start, max_restarts=2, backoff=30.0)
-    shared.failed[0] = "rank 0 exited with SIGKILL"
+    shared.fail(0, "rank 0 exited with SIGKILL")
     assert controller.statuses()[0].restarting
     began = time.monotonic()
     close_stand_in(dispatcher, controller)
     assert time.monotonic() - began < 2.0 and not started.is_set()  # the 30 s wait was cut short
 
     shared, dispatcher, controller = stand_in_engine(1, slow_start, max_restarts=2, backoff=0.01)
-    shared.failed[0] = "rank 0 exited with SIGKILL"
+    shared.fail(0, "rank 0 exited with SIGKILL")
     assert started.wait(5)
     closer = threading.Thread(target=close_stand_in, args=(dispatcher, controller))
     closer.start()

@@ -95,3 +95,12 @@ def test_no_batch_policy_where_the_kernel_refuses_it(monkeypatch):
     finally:
         sock.close(0)
         ctx.term()
+
+
+def test_product_code_uses_only_pyzmq_public_names():
+    """pyzmq's private ``zmq.backend`` may change between releases: none of phyrt's packages reaches into it."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    found = [f"{path.relative_to(root)}:{n}" for package in ("runtime", "supervisor", "workers", "models")
+             for path in sorted((root / package).rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if "zmq.backend" in line]
+    assert found == []

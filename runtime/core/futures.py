@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import CancelledError, Future
-from typing import Any
+from typing import Any, Callable
 
 
 def resolve(future: Future, result: Any = None, error: BaseException | None = None) -> None:
@@ -41,12 +41,14 @@ class Slot:
     on 2 cores) a Future's life cost a caller about 30 µs of CPU, a Slot's a few.
     """
 
-    __slots__ = ("request_id", "_state", "_value", "_event")
+    __slots__ = ("request_id", "_state", "_value", "_event", "_then")
 
-    def __init__(self) -> None:
+    def __init__(self, then: Callable[[], None] | None = None) -> None:
+        """``then()``: called once, by whichever thread completes it (keep it short: a count)."""
         self._state = _PENDING
         self._value: Any = None
         self._event: threading.Event | None = None
+        self._then = then
 
     def done(self) -> bool:
         return self._state is not _PENDING
@@ -98,4 +100,6 @@ class Slot:
             event = self._event
         if event is not None:
             event.set()
+        if self._then is not None:
+            self._then()
         return True

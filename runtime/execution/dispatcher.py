@@ -8,7 +8,8 @@ replica left, ``submit`` raises ``EngineUnavailableError`` at once, naming each
 replica's cause.
 
 The choice and the executor's in-flight increment happen under one lock, so
-concurrent submits see each other's load.
+concurrent submits see each other's load. ``call`` (``Engine.step``) holds it for the
+choice only: the request is encoded, sent and waited for outside it.
 """
 
 from __future__ import annotations
@@ -60,6 +61,31 @@ class RequestDispatcher:
                     return executor.submit(request, stream)
                 except EngineUnavailableError:
                     tried.add(executor.index)  # it failed between the check and the send
+
+    def call(self, request: Any, timeout: float | None) -> Any:
+        """``Engine.step``: run ``request`` on a replica and wait for its result in this thread.
+        The lock covers the choice (and the chosen replica's in-flight count), not the encoding,
+        the send or the wait; a replica that turns out not to serve before anything was sent
+        makes way for the next one."""
+        tried: set[int] = set()
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise EngineUnavailableError("the engine is closed")
+                executor = self._choose(tried)
+                if executor is None:
+                    raise EngineUnavailableError(self._none_healthy())
+                executor.reserve()
+            try:
+                waitable = executor.start_call(request)
+            except EngineUnavailableError:
+                executor.release()
+                tried.add(executor.index)  # it failed between the choice and the send
+                continue
+            except BaseException:
+                executor.release()
+                raise
+            return executor.finish_call(waitable, timeout)
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """``Engine.empty``: a tensor from the replica the next request would go to (the one with

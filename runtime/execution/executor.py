@@ -5,9 +5,14 @@ It owns its in-flight count (raised on submit, lowered when the future is done)
 and its health, which only ever goes from healthy to failed: an executor is never
 revived. A local replica may be rebuilt (``runtime.execution.restarts``): a new
 executor with the same index then takes the failed one's place in the dispatcher.
-``submit(request) -> Future`` is the whole interface the dispatcher uses; how a
-caller will wait for the future is no business of it (a thread about to wait says
-so with ``runtime.transport.reader.expect_wait``, which a channel may read).
+The dispatcher uses two ways in: ``submit(request) -> Future`` (``Engine.submit``; the
+future is a plain ``concurrent.futures.Future``, completed by whichever thread reads the
+answer, and its ``result()`` only waits), and, for ``Engine.step``, ``reserve()`` (under the
+dispatcher's lock, so that concurrent choices see the load) then ``start_call(request)`` and
+``finish_call(waitable, timeout)`` on the calling thread: a local replica lets that thread
+read its own answer. ``start_call`` raises ``EngineUnavailableError`` only when nothing was
+sent (the dispatcher may then try another replica, and gives the count back on any error
+there); from a ``start_call`` that returned, the count goes back once the request is done.
 """
 
 from __future__ import annotations
@@ -58,9 +63,6 @@ class ReplicaExecutor(abc.ABC):
         """Start ``request``; complete ``future`` later (from any thread). ``stream`` (executors
         with ``streams``): a ``StreamCall`` for its partial chunks, whose cancel hook it binds."""
 
-    def _new_future(self) -> Future:
-        return Future()
-
     def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """``Engine.empty`` on this replica: an ordinary tensor (this replica reads the caller's
         memory as it is); a local replica lends a block of its shared memory instead."""
@@ -105,9 +107,8 @@ class ReplicaExecutor(abc.ABC):
         error = self.error
         if error is not None:
             raise EngineUnavailableError(f"replica {self.index} is not serving: {error}")
-        future = self._new_future()
-        with self._state_lock:
-            self._inflight += 1
+        future = Future()
+        self.reserve()
         future.add_done_callback(self._done)
         try:
             if stream is not None and self.streams:
@@ -121,5 +122,43 @@ class ReplicaExecutor(abc.ABC):
         return future
 
     def _done(self, _future: Future) -> None:
+        self.release()
+
+    # -- a call whose caller waits here (Engine.step) ---------------------------------
+
+    def reserve(self) -> None:
+        """One more request in flight (the dispatcher's choice, under its lock)."""
+        with self._state_lock:
+            self._inflight += 1
+
+    def release(self) -> None:
         with self._state_lock:
             self._inflight -= 1
+
+    def start_call(self, request: Any) -> Any:
+        """After ``reserve()``: send ``request``; a waitable for ``finish_call``. Raises
+        ``EngineUnavailableError`` only when nothing was sent."""
+        error = self.error
+        if error is not None:
+            raise EngineUnavailableError(f"replica {self.index} is not serving: {error}")
+        future = Future()
+        self._submit(request, future)
+        future.add_done_callback(self._done)  # the count goes back when the request is done
+        return future
+
+    def finish_call(self, waitable: Any, timeout: float | None) -> Any:
+        """The result of ``start_call``'s request (its error raised), waited for here.
+        ``TimeoutError`` after ``timeout`` seconds: a request still queued is cancelled, one
+        running goes on and its result is dropped."""
+        return wait_for_result(waitable, timeout)
+
+
+def wait_for_result(future: Future, timeout: float | None) -> Any:
+    """``future.result(timeout)``, with ``Engine.step``'s ``TimeoutError`` (which says what became of it)."""
+    try:
+        return future.result(timeout)
+    except TimeoutError:
+        if future.done() and not future.cancelled():
+            return future.result()
+        state = "cancelled while queued" if future.cancel() else "still running; its result is dropped"
+        raise TimeoutError(f"no result within {timeout} s (the request was {state})") from None

@@ -9,7 +9,8 @@ its group:
     dispatcher --healthy/error--> supervisor.group_error(group)    (None while the group serves)
 
 Health is the supervisor's word on the group (plus this executor's own "closed"), so
-nothing has to be told when a group fails. ``close`` closes the supervisor
+nothing has to be told when a group fails; ``on_failure`` tells a listener (the restart
+controller) at once. ``close`` closes the supervisor
 (idempotent there; a shared one stops every replica it holds).
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any
 
+from runtime.core.errors import EngineUnavailableError
 from runtime.execution.executor import ReplicaExecutor
 
 
@@ -42,9 +44,21 @@ class MultiprocessExecutor(ReplicaExecutor):
         """Why this replica stopped serving (closed, or its group failed); None while healthy."""
         return self._error or self._supervisor.group_error(self._group)
 
-    def _new_future(self) -> Future:
-        # waiting on it reads the ranks' answers in the waiting thread when no other thread does
-        return self._supervisor.new_future()
+    def on_failure(self, callback: Any) -> None:
+        """``callback()`` once this replica's group fails, on the supervisor's reaper thread (never
+        at close); one registered after the failure is not called: look at ``healthy`` then."""
+        self._supervisor.on_group_failure(self._group, callback)
+
+    def start_call(self, request: Any) -> Any:
+        """``Engine.step``: the calling thread reads its own answer when nobody else reads."""
+        error = self.error
+        if error is not None:
+            raise EngineUnavailableError(f"replica {self.index} is not serving: {error}")
+        return self._supervisor.start_call(self._group, request, self.release)  # counted until answered
+
+    def finish_call(self, waitable: Any, timeout: float | None) -> Any:
+        """The answer, read here (a request whose wait timed out runs on, counted, its result dropped)."""
+        return self._supervisor.finish_call(waitable, timeout)
 
     def _submit(self, request: Any, future: Future, stream: Any = None) -> None:
         # ranks start work as soon as it is sent and cannot take it back: from here the

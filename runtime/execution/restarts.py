@@ -1,7 +1,7 @@
 """RestartController: rebuilds the local replicas whose worker group failed
 (``DeploymentConfig.replica_restarts``).
 
-    watch thread (one per engine)        every 50 ms, and on every status read:
+    the failed group's reaper thread (the executor's ``on_failure`` callback), and every status read:
       a replica's executor turned unhealthy (its group failed: a rank exited, a heartbeat
       or an execution timeout, a malformed message, a plugin error)
         attempts left -> restarting; WARNING with the cause; a rebuild thread
@@ -24,8 +24,10 @@ Invariants:
   no reader sees a replica between "restarting" and "serving".
 - Each failed executor is handled once (``_Replica.failed``); a rebuilt one that fails
   later is a new failure of the same replica, counted against the same budget.
-- ``stop()`` (the engine's close, before the dispatcher closes) ends the watch and every
-  backoff; ``join()`` (after it) waits for the rebuild threads: a start under way sees the
+- Each executor is listened to before it serves (at the start, or before it is swapped in) and
+  looked at once after: a failure before the callback was in place is noticed then.
+- ``stop()`` (the engine's close, before the dispatcher closes) ends every
+  backoff and makes later callbacks no-ops; ``join()`` (after it) waits for the rebuild threads: a start under way sees the
   stop event within ``supervisor.boot.CANCEL_POLL_S`` and closes what it started; a
   supervisor whose start ends after ``stop()`` anyway is closed by its thread at once and
   never swapped in. The dispatcher closes the executors
@@ -47,8 +49,6 @@ from runtime.execution.multiprocess import MultiprocessExecutor
 
 log = logging.getLogger("phyrt.engine")
 
-#: how often the watch thread looks at the executors' health
-POLL_S = 0.05
 #: the longest wait before a rebuild
 MAX_BACKOFF_S = 60.0
 #: how long close() waits for a rebuild thread beyond a supervisor's start
@@ -100,8 +100,11 @@ class RestartController:
         self._stop = threading.Event()
         self._replicas = {e.index: _Replica() for e in dispatcher.executors}
         self._threads: list[threading.Thread] = []
-        self._watch = threading.Thread(target=self._watch_loop, name="phyrt-restarts", daemon=True)
-        self._watch.start()
+        for executor in dispatcher.executors:
+            self._listen(executor)
+        with self._lock:
+            for executor in dispatcher.executors:
+                self._notice(executor.index)  # failed before its callback was in place
 
     # -- reading ---------------------------------------------------------------------
 
@@ -124,12 +127,14 @@ class RestartController:
 
     # -- noticing a failure ------------------------------------------------------------
 
-    def _watch_loop(self) -> None:
-        while not self._stop.wait(POLL_S):
-            for executor in self._dispatcher.executors:
-                if not executor.healthy:
-                    with self._lock:
-                        self._notice(executor.index)
+    def _listen(self, executor: ReplicaExecutor) -> None:
+        """Hear of ``executor``'s failure as it happens (its group's reaper thread calls back)."""
+        if isinstance(executor, MultiprocessExecutor):
+            executor.on_failure(lambda index=executor.index: self._failed(index))
+
+    def _failed(self, index: int) -> None:
+        with self._lock:
+            self._notice(index)
 
     def _notice(self, index: int) -> None:
         """Under ``_lock``: handle replica ``index``'s executor if it failed and is new to us."""
@@ -198,11 +203,13 @@ class RestartController:
 
     def _swap_in(self, index: int, state: _Replica, executor: MultiprocessExecutor, attempt: int) -> bool:
         """Put the started ``executor`` in service; False (and closed) when the engine closes."""
+        self._listen(executor)
         with self._lock:
             old = None if self._stop.is_set() else self._dispatcher.replace(index, executor)
             if old is not None:
                 state.restarting = False
                 state.cause = None
+                self._notice(index)  # it failed between its start and now
         if old is None:  # closed meanwhile: this supervisor never serves
             executor.close()
             return False
@@ -233,9 +240,8 @@ class RestartController:
             self._stop.set()
 
     def join(self) -> None:
-        """After ``stop()``: wait for the threads; a start under way sees the stop event and
+        """After ``stop()``: wait for the rebuild threads; a start under way sees the stop event and
         abandons itself, closing what it started."""
-        self._watch.join(self._join_s)
         with self._lock:
             threads = list(self._threads)
         for thread in threads:

@@ -41,13 +41,10 @@ log = logging.getLogger("phyrt.server")
 RECV_BATCH = 256
 # plain ints: pyzmq's enum members cost microseconds in every ``&`` and call on the hot path
 _NOBLOCK, _SNDMORE, _POLLIN = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.POLLIN)
-#: libzmq's send as pyzmq's compiled backend has it: the Python layer above it (routing ids,
-#: groups) costs a frame of Python per call, a third of a small reply's send
-_send = zmq.backend.Socket.send
-#: whether a message waits (level-triggered): ``EVENTS`` through the compiled getsockopt, a plain int.
-#: ``zmq_poll(..., 0)`` tells the same with a ``poll`` of the socket's fd besides (a syscall per look,
-#: two looks per request); pyzmq's Python getsockopt makes a ``PollEvent`` of it
-_get, _EVENTS = zmq.backend.Socket.get, int(zmq.EVENTS)
+#: whether a message waits (level-triggered): ``Socket.get(EVENTS)``, pyzmq's compiled getsockopt, a
+#: plain int. ``zmq_poll(..., 0)`` tells the same with a ``poll`` of the socket's fd besides (a syscall
+#: per look, two looks per request); pyzmq's ``getsockopt`` makes a ``PollEvent`` of it
+_EVENTS = int(zmq.EVENTS)
 
 
 class ServerSocket:
@@ -113,7 +110,7 @@ class ServerSocket:
             if not self._open:
                 return batch, False
             router = self._router
-            while _get(router, _EVENTS) & _POLLIN:
+            while router.get(_EVENTS) & _POLLIN:
                 identity = router.recv(_NOBLOCK)  # a ROUTER's first part: the peer's identity, never alone
                 head = router.recv(copy=False)  # a Frame knows in C whether parts follow
                 frames: list[Any] = [head.bytes]
@@ -139,12 +136,12 @@ class ServerSocket:
                 return False
             router = self._router
             try:
-                _send(router, identity, _NOBLOCK | _SNDMORE)  # EAGAIN or EHOSTUNREACH come here, or never
+                router.send(identity, _NOBLOCK | _SNDMORE)  # EAGAIN or EHOSTUNREACH come here, or never
                 if frames:
-                    _send(router, data, _NOBLOCK | _SNDMORE)
+                    router.send(data, _NOBLOCK | _SNDMORE)
                     router.send_multipart(frames, _NOBLOCK, copy=False)  # below 64 KiB pyzmq copies anyway
                 else:
-                    _send(router, data, _NOBLOCK)
+                    router.send(data, _NOBLOCK)
                 sent = True
             except zmq.Again:
                 log.debug("dropped a reply to %r: its queue is full", identity)
@@ -153,7 +150,7 @@ class ServerSocket:
             if self._looping_here():  # it reads before it sleeps: no look here (a syscall per reply)
                 self.recheck = True
                 return sent
-            waiting = _get(router, _EVENTS) & _POLLIN
+            waiting = router.get(_EVENTS) & _POLLIN
         if waiting:  # this send took the signal of a message that came meanwhile: pass it on
             self.wake()
         return sent

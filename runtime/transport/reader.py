@@ -24,10 +24,9 @@ Invariants:
   reading on: ``wake_fallback()`` wakes the I/O thread to take it (the fallback
   itself leaves with ``hand_on=False``). A caller that is not the reader sleeps on its
   future, which the reader completes.
-- ``reserve()`` gives the role to a thread that is about to wait (it announced so with
-  ``expect_wait()``) before its answer can arrive, so that nobody else is woken to
-  read; its ``wait`` then reads, and gives the role up even when the future was
-  completed by someone else meanwhile.
+- A caller that will wait for its answer takes the role before it sends (``take_free``),
+  so that nobody else is woken to read; its ``wait`` then reads, and gives the role up
+  even when the future was completed by someone else meanwhile.
 - ``wake()`` interrupts the reader: it polls ``fd`` beside its socket and calls
   ``drain()`` when it fires (a failure completed futures elsewhere, ``close()``, work
   to send). After ``close()`` nothing can take the role; ``wait_released`` lets the
@@ -37,35 +36,14 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from concurrent import futures
 from concurrent.futures import Future
-from typing import Callable, Iterator
+from typing import Callable
 
 from runtime.core.futures import Slot
 from runtime.transport.wake_pipe import WakePipe
-
-_intent = threading.local()
-
-
-@contextlib.contextmanager
-def expect_wait() -> Iterator[None]:
-    """Within this block, the calling thread announces that it will wait for the answer of
-    what it submits (``Engine.step``): a channel may ``reserve`` the reader role for it."""
-    before = getattr(_intent, "waits", False)
-    _intent.waits = True
-    try:
-        yield
-    finally:
-        _intent.waits = before
-
-
-def wait_expected() -> bool:
-    """Whether the calling thread is inside ``expect_wait()``."""
-    return getattr(_intent, "waits", False)
-
 
 class ReaderRole:
     """Who reads one socket. ``awaiting()`` (called under ``lock``) tells whether answers are
@@ -117,11 +95,6 @@ class ReaderRole:
             self._holder = threading.get_ident()
             return True
 
-    def reserve(self) -> bool:
-        """Under ``lock``: hold the role for the calling thread if it announced a wait
-        (``expect_wait``) and the role is free; its ``wait`` reads and gives it up."""
-        return wait_expected() and self.take_locked()
-
     def leave(self, hand_on: bool = True) -> None:
         """Give the role up (if this thread holds it); with ``hand_on``, wake the fallback
         reader when answers are still due."""
@@ -163,7 +136,7 @@ class ReaderRole:
                     self._depth.n = depth
             return True
         finally:
-            if depth == 0:  # the outermost wait gives the role up (a reservation included)
+            if depth == 0:  # the outermost wait gives the role up (one taken before the send included)
                 self.leave()
 
     # -- interrupting the reader, closing ------------------------------------------------
