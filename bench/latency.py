@@ -3,6 +3,8 @@
     this process                                            other processes
     phyrt inline     engine.step -> serve thread -> Future  -
     phyrt local      engine.step -> wire (tensors in shm) ==> 1 rank: decode, echo, encode (shm)
+    phyrt local tp=2 the same to a replica of 2 ranks ======> both decode and echo, rank 0 answers
+                     (small request only: the cost of a replica's second rank on the request path)
     bare ZMQ         DEALER + msgpack  ===================> ROUTER echo (msgpack)          floor
     OS pipe          os.write / os.read ==================> pipe echo (raw bytes)           floor, small only
     pickle over ZMQ  DEALER + pickle   ===================> ROUTER echo (pickle)           baseline
@@ -29,11 +31,14 @@ from bench.common import (MIB, SMALL_REQUEST, RunContext, Section, Table, Target
 
 ROUNDS = 5
 SIZES_MIB = (1, 16, 64)
-INLINE, LOCAL, ZMQ, PIPE, PICKLE, WS, RAY, MEMCPY = ("inline", "local", "zmq", "pipe", "pickle", "websocket",
-                                                     "ray", "memcpy")
+INLINE, LOCAL, LOCAL_TP2, ZMQ, PIPE, PICKLE, WS, RAY, MEMCPY = (
+    "inline", "local", "local_tp2", "zmq", "pipe", "pickle", "websocket", "ray", "memcpy")
+#: a tp=2 replica's small-request p50 against a 1-rank replica's (issue 33's target)
+TARGET_TP2_RATIO = 1.15
 LABELS = {
     INLINE: "phyrt inline engine",
     LOCAL: "phyrt local engine, 1 rank",
+    LOCAL_TP2: "phyrt local engine, a tp=2 replica (2 ranks)",
     ZMQ: "bare ZMQ DEALER/ROUTER ipc:// + msgpack (floor)",
     PIPE: "OS pipe echo, raw bytes (floor)",
     PICKLE: "pickle over ZMQ DEALER/ROUTER ipc:// (baseline)",
@@ -79,7 +84,8 @@ def start_paths(ctx: RunContext, stack: contextlib.ExitStack, section: Section) 
     from bench.echo import PipeEcho, ZmqEcho
     from bench.peers import PeerUnavailable, RayPeer, WebsocketPeer
     from bench.transport import PLUGIN, EngineEcho
-    from runtime.core.config import DeploymentConfig, DeviceConfig, EngineArgs, EngineConfig
+    from runtime.core.config import (DenseParallelConfig, DeploymentConfig, DeviceConfig, EngineArgs, EngineConfig,
+                                     ParallelConfig)
 
     mp = ctx.mp()
     zctx = zmq.Context(1)
@@ -111,14 +117,19 @@ def start_paths(ctx: RunContext, stack: contextlib.ExitStack, section: Section) 
         section.data.setdefault("unavailable", {})[RAY] = str(exc)
         section.notes.append(f"{LABELS[RAY]}: not available: {exc}")
         progress(f"latency: Ray not available: {exc}")
-    progress("latency: starting the phyrt engines (inline; local, 1 rank)")
+    progress("latency: starting the phyrt engines (inline; local, 1 rank; local, a tp=2 replica)")
     inline = EngineEcho(LABELS[INLINE], EngineArgs(plugin=PLUGIN))
     stack.callback(inline.close)
     local = EngineEcho(LABELS[LOCAL], EngineArgs(plugin=PLUGIN, config=EngineConfig(device=DeviceConfig(target="cpu"))),
                        DeploymentConfig.local(replica_count=1))
     stack.callback(local.close)
+    tp2 = EngineEcho(LABELS[LOCAL_TP2], EngineArgs(plugin=PLUGIN, config=EngineConfig(
+        device=DeviceConfig(target="cpu"), parallel=ParallelConfig(dense=DenseParallelConfig(tp_size=2)))),
+        DeploymentConfig.local(replica_count=1))
+    stack.callback(tp2.close)
     paths += [Path(INLINE, inline.call, lambda p: SMALL_REQUEST if p is None else p["torch"]),
-              Path(LOCAL, local.call, lambda p: SMALL_REQUEST if p is None else p["torch"])]
+              Path(LOCAL, local.call, lambda p: SMALL_REQUEST if p is None else p["torch"]),
+              Path(LOCAL_TP2, tp2.call, lambda p: SMALL_REQUEST if p is None else None)]
     ctx.pids.update(p.pid for p in psutil.Process().children(recursive=True))
     return paths
 
@@ -218,7 +229,8 @@ def _small_table(small: dict[str, list[int]], iters: int, warmup: int, nbytes: i
          "(so that load from elsewhere lands on every path alike). p50 = median, p99 = nearest-rank 99th "
          "percentile. Baseline: the bare ZMQ+msgpack echo, measured in the same run.",
          "Engines: `engine.step(request)` with `bench.transport:EchoEntry`; local = "
-         "`DeploymentConfig.local(replica_count=1)` on the CPU. Echo servers and peers are separate spawned "
+         "`DeploymentConfig.local(replica_count=1)` on the CPU (tp=2: `ParallelConfig(dense=DenseParallelConfig("
+         "tp_size=2))`, 2 ranks, rank 0 answers). Echo servers and peers are separate spawned "
          "processes; the Ray actor runs in a Ray worker of a local Ray cluster started by `ray.init`."])
 
 
@@ -251,12 +263,16 @@ def _targets(samples: dict[Any, dict[str, list[int]]], transport: Any) -> list[T
     local, floor = p50(small[LOCAL]), p50(small[ZMQ])
     med = {k: p50(big[k]) for k in (MEMCPY, INLINE, LOCAL, PICKLE)}
     small_ratio = local / floor
+    tp2_ratio = p50(small[LOCAL_TP2]) / local
     extra = (med[LOCAL] - med[INLINE]) / med[MEMCPY]
     speedup = med[PICKLE] / med[LOCAL]
     targets = [
         Target(f"local 1-rank small-request p50 ≤ {transport.TARGET_SMALL_RATIO:g}× bare ZMQ echo p50",
                f"{small_ratio:.2f}× ({fmt_us(local)} µs / {fmt_us(floor)} µs)",
                small_ratio <= transport.TARGET_SMALL_RATIO),
+        Target(f"local tp=2 replica's small-request p50 ≤ {TARGET_TP2_RATIO:g}× a 1-rank replica's",
+               f"{tp2_ratio:.2f}× ({fmt_us(p50(small[LOCAL_TP2]))} µs / {fmt_us(local)} µs)",
+               tp2_ratio <= TARGET_TP2_RATIO),
         Target(f"64 MiB in+out on a local rank ≤ {transport.TARGET_EXTRA_MEMCPYS:g} memcpys more than inline",
                f"{extra:.2f} memcpys (({fmt_ms(med[LOCAL])} − {fmt_ms(med[INLINE])}) ms / {fmt_ms(med[MEMCPY])} ms)",
                extra <= transport.TARGET_EXTRA_MEMCPYS),

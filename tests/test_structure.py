@@ -1,12 +1,13 @@
-"""The shape DESIGN.md section 1 asks for, checked on the product packages (``bench.structure``):
-modules under 400 lines, classes under 300, functions under 60; imports that point one way,
-between modules and between folders, deferred imports included; bench/ and examples/ use
-public names only."""
+"""The rules of ARCHITECTURE.md (sections 1 and 2), checked on the product packages (``bench.structure``):
+modules of at most 400 lines, classes 300, functions 60; imports that point one way, between modules
+and between folders, deferred imports included; the layers of its table; bench/ and examples/ use
+public names only. ARCHITECTURE.md must state the limits and name the packages that these tests use."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -15,6 +16,27 @@ from bench.structure import cycles, folder_graph, load, module_graph
 pytestmark = pytest.mark.timeout(60)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+ARCHITECTURE = ROOT / "ARCHITECTURE.md"
+
+#: the size limits (lines, inclusive) of ARCHITECTURE.md section 2
+MODULE_LINES = 400
+CLASS_LINES = 300
+FUNCTION_LINES = 60
+
+#: folder -> the project folders it may import at most (ARCHITECTURE.md section 1)
+MAY_IMPORT = {
+    "runtime.core": set(),
+    "runtime.transport": {"runtime.core"},
+    "runtime.link": {"runtime.core", "runtime.transport"},
+    "runtime.client": {"runtime.core", "runtime.transport", "runtime.link"},
+    "supervisor": {"runtime.core", "runtime.transport", "runtime.link"},  # ranks are spawned by module path
+}
+#: folders that no ``runtime`` folder imports (ranks start by module path, plugins through the registry)
+NOT_FROM_RUNTIME = {"workers", "models"}
+#: the only ``runtime`` folders that ``models`` and its subfolders import
+MODELS_FROM_RUNTIME = {"runtime", "runtime.parallel"}
+#: folders whose modules use only public names of the product
+PUBLIC_NAMES_ONLY = ("bench", "examples")
 
 
 @pytest.fixture(scope="module")
@@ -23,10 +45,11 @@ def modules():
 
 
 def test_modules_classes_and_functions_stay_small(modules):
-    too_big = [f"module {m.name}: {m.lines} lines" for m in modules.values() if m.lines > 400]
+    limits = {"class": CLASS_LINES, "function": FUNCTION_LINES}
+    too_big = [f"module {m.name}: {m.lines} lines" for m in modules.values() if m.lines > MODULE_LINES]
     for m in modules.values():
         for kind, name, lines in m.defs:
-            if (kind == "class" and lines > 300) or (kind == "function" and lines > 60):
+            if lines > limits[kind]:
                 too_big.append(f"{kind} {m.name}.{name}: {lines} lines")
     assert too_big == []
 
@@ -36,28 +59,51 @@ def test_no_import_cycle_between_modules_or_folders(modules):
     assert cycles(folder_graph(modules)) == []
 
 
-def test_the_layers_point_the_way_design_says(modules):
+def test_the_layers_point_the_way_architecture_says(modules):
     folders = folder_graph(modules)
-    assert folders["runtime.core"] == set()
-    assert folders["runtime.transport"] <= {"runtime.core"}
-    assert folders["runtime.client"] <= {"runtime.core", "runtime.transport"}
-    assert not {"workers", "models"} & set().union(*(folders[f] for f in folders if f.startswith("runtime")))
-    assert folders["supervisor"] <= {"runtime.core", "runtime.transport"}  # ranks are spawned by module path
-    assert all(not f.startswith("runtime.") or f == "runtime.parallel" for f in folders["models"] - {"runtime"})
+    beyond = {folder: folders[folder] - allowed for folder, allowed in MAY_IMPORT.items()}
+    assert beyond == {folder: set() for folder in MAY_IMPORT}
+    assert not NOT_FROM_RUNTIME & set().union(*(folders[f] for f in folders if _in("runtime", f)))
+    from_models = set().union(*(folders[f] for f in folders if _in("models", f)))
+    assert {f for f in from_models if _in("runtime", f)} <= MODELS_FROM_RUNTIME
+
+
+def _in(package: str, folder: str) -> bool:
+    return folder == package or folder.startswith(package + ".")
+
+
+def _section(text: str, title: str) -> str:
+    """The body of the ``## `` section of ARCHITECTURE.md whose heading contains ``title``."""
+    match = re.search(rf"^## [^\n]*{re.escape(title)}[^\n]*\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert match, f"ARCHITECTURE.md has no section titled {title!r}"
+    return match.group(1)
+
+
+def test_architecture_states_the_limits_and_the_layers_these_tests_enforce():
+    """The rules live in ARCHITECTURE.md: its size table gives the limits used above, and its
+    layer table has a row for every package that the layer rules above name."""
+    text = ARCHITECTURE.read_text()
+    sizes = dict(re.findall(r"^\|\s*(module|class|function)\s*\|\s*(?:≤|<=|at most)\s*(\d+)\s*\|",
+                            _section(text, "Size rules"), re.M))
+    assert {unit: int(n) for unit, n in sizes.items()} == {
+        "module": MODULE_LINES, "class": CLASS_LINES, "function": FUNCTION_LINES}
+    rows = {m.group(1) for m in re.finditer(r"^\|\s*`([\w.]+)`", _section(text, "Packages and layers"), re.M)}
+    named = set(MAY_IMPORT).union(*MAY_IMPORT.values(), NOT_FROM_RUNTIME, MODELS_FROM_RUNTIME, PUBLIC_NAMES_ONLY)
+    assert named - rows == set()
 
 
 def test_bench_and_examples_use_public_names_only():
     """No ``obj._private`` of a product object and no ``from x import _private`` in bench/ or examples/."""
     own = {"self", "cls"}
     found = []
-    for folder in ("bench", "examples"):
+    for folder in PUBLIC_NAMES_ONLY:
         for path in sorted((ROOT / folder).glob("*.py")):
             tree = ast.parse(path.read_text())
             # modules other than the product's (bench's own helpers may share private names)
             local_modules = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import)
                              for a in n.names if not a.name.startswith(("runtime", "supervisor", "workers", "models"))}
             local_modules |= {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-                              and (n.module or "").split(".")[0] in ("bench", "examples") for a in n.names}
+                              and (n.module or "").split(".")[0] in PUBLIC_NAMES_ONLY for a in n.names}
             for node in ast.walk(tree):
                 if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
                         ("runtime", "supervisor", "workers", "models")):
