@@ -58,7 +58,7 @@ from runtime.client.errors import error_from_reply
 from runtime.core.errors import ProtocolError
 from runtime.core.plugins import Entry
 from runtime.link import client_protocol, rank_protocol
-from runtime.transport.shm import ShmArena, ShmMapper, new_run_id
+from runtime.transport.arena import ShmArena, ShmMapper, new_run_id
 
 WORKER_TYPES = rank_protocol.INBOX
 WORKER_CTL_TYPES = rank_protocol.CONTROL

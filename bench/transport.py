@@ -60,7 +60,7 @@ from runtime.core.config import (DenseParallelConfig, DeploymentConfig, DeviceCo
                             ParallelConfig, WorkerSupervisorConfig)
 from runtime.engine import Engine
 from runtime.core.plugins import Entry
-from runtime.transport.shm import ShmArena, ShmMapper, new_run_id
+from runtime.transport.arena import ShmArena, ShmMapper, new_run_id
 from runtime.transport.spin import budget_ns
 
 PLUGIN = "bench.transport:EchoEntry"

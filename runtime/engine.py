@@ -10,7 +10,7 @@ Everything that can be checked before a process starts is checked in the caller,
 in this order: the plugin resolves, ``configure(plugin_args)``,
 ``validate_parallel(parallel)``, the deployment's mode and device placement.
 
-``stream(request)`` submits the request as a stream (``runtime.execution.streams``): the
+``stream(request)`` submits the request as a stream (``runtime.execution.stream_call``): the
 replica's runner may send chunks before its last one (see ``runtime.core.plugins``);
 ``submit_stream`` is the same with a callback instead of an iterator (the server's way).
 
@@ -41,7 +41,7 @@ from runtime.core.plugins import Entry, resolve_plugin
 if TYPE_CHECKING:
     from runtime.execution.inline import IdleRunner
     from runtime.execution.restarts import RestartController, Starter
-    from runtime.execution.streams import Stream, StreamCall
+    from runtime.execution.stream_call import Stream, StreamCall
 
 __all__ = ["Engine", "ReplicaStatus"]
 
@@ -145,7 +145,7 @@ class Engine:
         request; a replica that fails meanwhile ends it with ``EngineUnavailableError``.
         A plugin that does not stream gives one chunk: its result.
         """
-        from runtime.execution.streams import Stream
+        from runtime.execution.stream_call import Stream
 
         if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
@@ -155,7 +155,7 @@ class Engine:
     def submit_stream(self, request: Any, on_chunk: Callable[[Any], None]) -> StreamCall:
         """Submit ``request`` as a stream: ``on_chunk(chunk)`` for each chunk but the last (called
         from the engine's thread: it must not block), ``.future`` for the last chunk, ``.cancel()``."""
-        from runtime.execution.streams import StreamCall
+        from runtime.execution.stream_call import StreamCall
 
         call = StreamCall(on_chunk)
         call.future = self._submit_call(request, call)

@@ -35,7 +35,7 @@ from runtime.core.futures import resolve
 from runtime.link import rank_protocol as rp
 from runtime.transport import wire
 from runtime.transport.reader import ReaderRole
-from runtime.transport.shm import ShmMapper
+from runtime.transport.arena import ShmMapper
 from runtime.transport.shm_names import unlink_quiet
 from supervisor.boot import Startup
 from supervisor.failure import Failures

@@ -38,7 +38,7 @@ from runtime.core.config import EngineArgs, WorkerSupervisorConfig, dtype_name
 from runtime.core.errors import ProtocolError, WorkerStartupError
 from runtime.link import rank_protocol as rp
 from runtime.transport import wire
-from runtime.transport.shm import ShmArena, ShmMapper
+from runtime.transport.arena import ShmArena, ShmMapper
 from runtime.transport.spin import usable_cores
 from supervisor.groups import GroupState, RankState, ResultMapper
 from supervisor.processes import SpawnThread, check_port_free, run_module_main

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from runtime.core.errors import EngineUnavailableError
-from runtime.transport.shm import ShmArena, ShmMapper
+from runtime.transport.arena import ShmArena, ShmMapper
 
 log = logging.getLogger("phyrt.supervisor")
 

@@ -37,7 +37,7 @@ from typing import Callable
 
 from runtime.core.errors import EngineUnavailableError
 from runtime.core.futures import resolve
-from runtime.transport.shm import sweep_creators
+from runtime.transport.arena import sweep_creators
 from supervisor.groups import GroupState, PendingRequest, RankState, ReapedProcess
 from supervisor.processes import exit_code, stop_bound_s, stop_ranks
 

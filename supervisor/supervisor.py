@@ -43,7 +43,7 @@ import zmq
 from runtime.core.config import EngineArgs, WorkerSupervisorConfig
 from runtime.transport.owners import sweep_run_dirs
 from runtime.transport.reader import ReaderRole
-from runtime.transport.shm import ShmMapper, new_run_id, sweep_run, sweep_stale
+from runtime.transport.arena import ShmMapper, new_run_id, sweep_run, sweep_stale
 from runtime.transport.spin import budget_ns, usable_cores
 from runtime.transport.wake_pipe import WakePipe
 from supervisor.answers import AnswerReader, answers_due

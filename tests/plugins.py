@@ -331,7 +331,7 @@ def _arm_arena_placement(how: str, mark: str | None = None) -> None:
     import gc
     import warnings
 
-    from runtime.transport.shm import ShmArena
+    from runtime.transport.arena import ShmArena
 
     with warnings.catch_warnings():  # isinstance() on torch's deprecated module attributes warns
         warnings.simplefilter("ignore")

@@ -163,7 +163,7 @@ def test_result_segments_of_a_dead_client_are_removed(echo):
     import msgpack
     import zmq
 
-    from runtime.transport.shm import new_run_id
+    from runtime.transport.arena import new_run_id
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     ctx = zmq.Context()

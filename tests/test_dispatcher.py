@@ -111,3 +111,47 @@ def test_close_closes_every_executor_and_refuses_work():
 def test_needs_an_executor():
     with pytest.raises(ValueError):
         RequestDispatcher([])
+
+
+class SlowSend(FakeExecutor):
+    """Its send blocks until the test lets it go (as a large tensor's copy into shared memory)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        import threading
+
+        self.sending, self.go = threading.Event(), threading.Event()
+
+    def _submit(self, request, future, lead=False):
+        self.sending.set()
+        assert self.go.wait(10)
+        super()._submit(request, future)
+
+
+@pytest.mark.parametrize("way", ["submit", "step"])
+def test_the_lock_covers_the_choice_not_the_send(way):
+    """A request being encoded and sent to one replica does not hold back the next one, which
+    goes to the other replica (it sees the first's in-flight count)."""
+    import threading
+
+    slow, fast = SlowSend(0), FakeExecutor(1)
+    dispatcher = RequestDispatcher([slow, fast])
+    first = threading.Thread(target=(lambda: dispatcher.submit("big")) if way == "submit"
+                             else (lambda: dispatcher.call("big", 10)))
+    first.start()
+    try:
+        assert slow.sending.wait(5)
+        second = dispatcher.submit("small")  # returns while the first is still in its send
+        assert fast.received == ["small"] and not second.done() and slow.inflight == 1
+    finally:
+        slow.go.set()
+        if way == "step":
+            assert slow.sending.is_set()
+            import time
+
+            deadline = time.monotonic() + 5
+            while not slow.futures and time.monotonic() < deadline:
+                time.sleep(0.01)
+            slow.futures[0].set_result("done")
+        first.join(5)
+    assert not first.is_alive() and slow.received == ["big"]

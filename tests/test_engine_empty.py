@@ -153,7 +153,7 @@ def test_a_same_host_client_sends_its_empty_array_without_a_copy(peek_server, tm
     import numpy as np
 
     from runtime.client import Client
-    from runtime.transport.shm import SHM_DIR
+    from runtime.transport.arena import SHM_DIR
 
     with Client(peek_server.address) as client:
         x = client.empty((4, N // 4))

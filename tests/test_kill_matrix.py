@@ -316,7 +316,7 @@ def test_a_rank_death_fails_its_replica_only_and_leaves_nothing(pool, stage, how
 
 
 # Was a bug (fixed; this guards it): WorkerSupervisor._fail_group neither sweeps the dead ranks'
-# segments nor releases the failed group's request arena; runtime/shm.py asks for a sweep 'at
+# segments nor releases the failed group's request arena; runtime/transport/arena.py asks for a sweep 'at
 # start and after a group dies'. A request that grew the arena (tensor > 8 MiB) and was in flight
 # when its group failed keeps its segment name phyrt-RUN-ENGINEPID-N (16 MiB of tmpfs) in /dev/shm
 # until Engine.close()
@@ -344,7 +344,7 @@ def test_a_failed_group_leaves_no_name_of_its_request_in_flight(pool, tmp_path):
 # Was a bug (fixed; this guards it): a rank that dies after growing its result arena (a result > 8
 # MiB placed, not yet sent) leaves the new segment's name phyrt-RUN-RANKPID-N in /dev/shm for as
 # long as the engine runs: the supervisor does not sweep the names of a failed group's dead ranks
-# (runtime/shm.py: 'call one of them at start and after a group dies')
+# (runtime/transport/arena.py: 'call one of them at start and after a group dies')
 def test_a_rank_that_dies_with_a_large_reply_placed_leaves_no_name(pool, tmp_path):
     slot = pool.take()
     placed = tmp_path / "placed"  # the rank writes the segment of its placement there, then dies

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from runtime.transport import wire
-from runtime.transport.shm import SHM_DIR, ShmArena, ShmMapper, new_run_id
+from runtime.transport.arena import SHM_DIR, ShmArena, ShmMapper, new_run_id
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -199,7 +199,7 @@ def fuzz(address: str, count: int, seed: int) -> None:
     import msgpack
     import zmq
 
-    from runtime.transport.shm import ShmArena, new_run_id
+    from runtime.transport.arena import ShmArena, new_run_id
 
     rng = random.Random(seed)
     P = lambda obj: msgpack.packb(obj, use_bin_type=True)  # noqa: E731

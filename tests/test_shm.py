@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runtime.core.errors import ProtocolError
-from runtime.transport.shm import ALIGNMENT, SHM_DIR, ShmArena, ShmMapper, new_run_id, sweep_run, sweep_stale
+from runtime.transport.arena import ALIGNMENT, SHM_DIR, ShmArena, ShmMapper, new_run_id, sweep_run, sweep_stale
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[1]
@@ -203,7 +203,7 @@ def test_mapper_rejects_foreign_malformed_and_out_of_bounds_references():
 
 _CHILD_ARENA = r"""
 import subprocess, sys, time
-from runtime.transport.shm import ShmArena
+from runtime.transport.arena import ShmArena
 arena = ShmArena(sys.argv[1], 1 << 20)
 arena.place(3 << 20)  # grow: two segments
 names = arena.segments

@@ -1,6 +1,6 @@
 """What a stream's ``timeout`` means (issue 32, item 5), with a plugin whose pace the test sets.
 
-The rule (``runtime.core.streams``): ``timeout`` bounds the whole stream from its submission;
+The rule (``runtime.core.chunk_stream``): ``timeout`` bounds the whole stream from its submission;
 what arrived before the deadline (chunks, and the end of a stream that ended in time) is
 handed out even when read after it; ``next()`` raises only where it would wait past the
 deadline (or reach a chunk that came after it), and the request is then cancelled in the

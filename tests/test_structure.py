@@ -37,6 +37,17 @@ NOT_FROM_RUNTIME = {"workers", "models"}
 MODELS_FROM_RUNTIME = {"runtime", "runtime.parallel"}
 #: folders whose modules use only public names of the product
 PUBLIC_NAMES_ONLY = ("bench", "examples")
+#: file names that every package folder may have
+SHARED_FILE_NAMES = {"__init__.py", "__main__.py"}
+#: the only other file names that two product modules share, and the modules sharing each.
+#: issue 33: merged by stages S5-S7 (docs/dev/link-plan.md): client/replies.py by S5, serving/replies.py
+#: by S7, both shm.py into one ShmSession by S6; client/errors.py (beside core/errors.py) is rewritten
+#: with the client by S5 and named server_errors.py by S11. Remove an entry when its stage lands.
+SAME_NAME_FOR_NOW = {
+    "replies.py": {"runtime/client/replies.py", "runtime/serving/replies.py"},
+    "shm.py": {"runtime/client/shm.py", "runtime/serving/shm.py"},
+    "errors.py": {"runtime/client/errors.py", "runtime/core/errors.py"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +88,18 @@ def _section(text: str, title: str) -> str:
     match = re.search(rf"^## [^\n]*{re.escape(title)}[^\n]*\n(.*?)(?=^## |\Z)", text, re.M | re.S)
     assert match, f"ARCHITECTURE.md has no section titled {title!r}"
     return match.group(1)
+
+
+def test_no_two_product_modules_share_a_file_name(modules):
+    """A file name says what its module holds, once: no two modules of the product packages share
+    one (issue 33), beyond ``__init__.py``, ``__main__.py`` and the pairs of ``SAME_NAME_FOR_NOW``,
+    which must still be exactly the modules sharing a name (so that an entry goes with its pair)."""
+    by_name: dict[str, set[str]] = {}
+    for m in modules.values():
+        if m.path.name not in SHARED_FILE_NAMES:
+            by_name.setdefault(m.path.name, set()).add(m.path.relative_to(ROOT).as_posix())
+    shared = {name: paths for name, paths in by_name.items() if len(paths) > 1}
+    assert shared == SAME_NAME_FOR_NOW
 
 
 def test_architecture_states_the_limits_and_the_layers_these_tests_enforce():

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from runtime.transport import wire
 from runtime.core.errors import ProtocolError
-from runtime.transport.shm import SHM_DIR, ShmArena, ShmMapper, new_run_id
+from runtime.transport.arena import SHM_DIR, ShmArena, ShmMapper, new_run_id
 from runtime.transport.wire import (
     EXT_CUDA_IPC, EXT_INLINE, EXT_SHM, PROTOCOL_VERSION, TensorDecoder, TensorEncoder,
     pack_message, unpack_message,
@@ -257,7 +257,7 @@ def test_encode_rejects_bad_header(kind, id_):
 
 
 def test_import_without_torch():
-    r = run_python("import runtime.transport.wire, runtime.transport.shm, sys; assert 'torch' not in sys.modules")
+    r = run_python("import runtime.transport.wire, runtime.transport.arena, sys; assert 'torch' not in sys.modules")
     assert r.returncode == 0, r.stderr
 
 
@@ -299,7 +299,7 @@ def test_shm_round_trip_in_process_is_a_view():
 
 _CHILD = r"""
 import sys, torch
-from runtime.transport.shm import ShmMapper
+from runtime.transport.arena import ShmMapper
 from runtime.transport.wire import TensorDecoder, unpack_message
 with ShmMapper(sys.argv[1]) as mapper:
     t = unpack_message(open(sys.argv[2], "rb").read(), tensor_decoder=TensorDecoder(mapper=mapper))["x"]

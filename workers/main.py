@@ -72,7 +72,7 @@ import zmq
 from runtime.core.plugins import Partial
 from runtime.link import rank_protocol as rp
 from runtime.transport import wire
-from runtime.transport.shm import ShmArena, ShmMapper
+from runtime.transport.arena import ShmArena, ShmMapper
 from runtime.transport.spin import Spinner
 
 #: inline tensors up to this size; larger CPU tensors go through shared memory

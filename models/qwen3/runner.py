@@ -64,7 +64,7 @@ import torch
 
 from models.qwen3.request import Qwen3Args, parse_request
 from models.qwen3.text import add_text, load_tokenizer, tokenize
-from models.qwen3.streams import TokenStreams, drop_sequences
+from models.qwen3.token_streams import TokenStreams, drop_sequences
 from models.qwen3.block_manager import BlockManager
 from models.qwen3.sampler import sample
 from models.qwen3.scheduler import Scheduler
@@ -155,7 +155,7 @@ class Qwen3Runner:
             self._requests: dict[Any, list[Sequence]] = {}
             self._refused: list[tuple[Any, BaseException]] = []
             self._announce: list[Any] = []  # finished ids the followers have not been told of
-            self._streams = TokenStreams()  # requests submitted as streams (models/qwen3/streams.py)
+            self._streams = TokenStreams()  # requests submitted as streams (models/qwen3/token_streams.py)
         else:
             self._seen: set[Any] = set()   # added here, not yet announced by the leader
             self._early: set[Any] = set()  # announced by the leader before this rank's copy came
@@ -211,7 +211,7 @@ class Qwen3Runner:
         self._requests[request_id] = seqs
 
     def add_stream(self, request_id: Any, request: Any) -> None:
-        """``add``, and each step's new ids (and text) go out as a chunk (``models/qwen3/streams.py``)."""
+        """``add``, and each step's new ids (and text) go out as a chunk (``models/qwen3/token_streams.py``)."""
         self.add(request_id, request)
         if self.leader and request_id in self._requests:
             self._streams.open(request_id, self._requests[request_id], self.tokenizer)

@@ -79,7 +79,7 @@ from runtime.core.futures import Slot, resolve
 from runtime.link.client_protocol import control_header, plain_submit, submit_message
 from runtime.transport.protocol import DEFAULT_SHM_THRESHOLD
 from runtime.transport.reader import ReaderRole
-from runtime.transport.shm import sweep_stale
+from runtime.transport.arena import sweep_stale
 from runtime.transport.wake_pipe import WakePipe
 
 __all__ = ["Client"]

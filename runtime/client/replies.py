@@ -56,7 +56,7 @@ from runtime.core.futures import resolve
 from runtime.link.client_protocol import SUBMIT_REPLY_PREFIX, register_header
 from runtime.transport.endpoints import ipc_unreachable
 from runtime.transport.protocol import TensorResolver, numpy_tensor, numpy_view, torch_tensor, torch_view, unpack_header
-from runtime.transport.shm import sweep_stale
+from runtime.transport.arena import sweep_stale
 
 log = logging.getLogger("phyrt.client")
 

@@ -1,6 +1,6 @@
 """A client's shared memory with one server instance (ipc:// only; see runtime.transport.protocol).
 
-Imports only ``runtime.core.errors`` and ``runtime.transport.shm`` from the project; no torch.
+Imports only ``runtime.core.errors`` and ``runtime.transport.arena`` from the project; no torch.
 
     Client (caller threads, under its shm lock)        server
     place(n) -> block of our arena; a new segment  -->  register [segment]  (before the
@@ -17,7 +17,7 @@ Imports only ``runtime.core.errors`` and ``runtime.transport.shm`` from the proj
 
 A session belongs to one ``server_id``: a restarted server gets a new session, and
 ``close()`` unlinks and unmaps what this one holds. A result view outlives
-``close()``: the mapping under it goes only with the last view (``runtime.transport.shm``
+``close()``: the mapping under it goes only with the last view (``runtime.transport.arena``
 never unmaps exported memory), and its release, due to a session that is gone,
 is dropped (the server frees what that session held when it drops it). The
 caller serialises every call but ``free``, ``result_view`` and ``take_released``
@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from runtime.core.errors import ProtocolError
-from runtime.transport.shm import ShmArena, ShmMapper, new_run_id
+from runtime.transport.arena import ShmArena, ShmMapper, new_run_id
 
 #: a release carries at most this many blocks (the server ignores a longer list)
 MAX_RELEASE_BLOCKS = 4096

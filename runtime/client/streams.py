@@ -13,7 +13,7 @@ Invariants:
 - Chunks come in ``seq`` order (``runtime.client.replies`` checks it); a gap fails the stream.
 - Leaving a stream early cancels it on the server (its runner frees what it holds); the
   request stays in flight here until the server's final reply, which is dropped.
-- ``timeout`` follows ``runtime.core.streams``' rule, on this client's clock from the
+- ``timeout`` follows ``runtime.core.chunk_stream``' rule, on this client's clock from the
   submit: what the reader handed over before the deadline is handed out, however late the
   caller reads; then ``DeadlineExceededError``, and the request is cancelled on the server.
   The server holds the same ``timeout_s`` from when its engine takes the request (a little
@@ -30,7 +30,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from runtime.client.errors import DeadlineExceededError
-from runtime.core.streams import EXPIRED, ChunkStream
+from runtime.core.chunk_stream import EXPIRED, ChunkStream
 
 __all__ = ["StreamState", "ClientStream", "AsyncClientStream"]
 
@@ -46,7 +46,7 @@ class StreamState:
 
 
 class _Base(ChunkStream):
-    """What the sync and async iterators share: ``runtime.core.streams.ChunkStream``, and the
+    """What the sync and async iterators share: ``runtime.core.chunk_stream.ChunkStream``, and the
     server's address for the deadline's error."""
 
     def __init__(self, address: str, timeout: float | None) -> None:

@@ -8,8 +8,8 @@ replica left, ``submit`` raises ``EngineUnavailableError`` at once, naming each
 replica's cause.
 
 The choice and the executor's in-flight increment happen under one lock, so
-concurrent submits see each other's load. ``call`` (``Engine.step``) holds it for the
-choice only: the request is encoded, sent and waited for outside it.
+concurrent submits see each other's load; the lock covers nothing else: the request is
+encoded, sent (and, for ``call``, ``Engine.step``, waited for) outside it.
 """
 
 from __future__ import annotations
@@ -40,27 +40,31 @@ class RequestDispatcher:
 
     def submit(self, request: Any, stream: Any = None) -> Future:
         """Hand ``request`` to a replica; ``EngineUnavailableError`` when none is healthy.
-        ``stream``: its ``StreamCall`` when it was submitted as a stream."""
+        ``stream``: its ``StreamCall`` when it was submitted as a stream. The lock covers the
+        choice (and the chosen replica's in-flight count), not the encoding or the send."""
+        tried: set[int] = set()
+        while True:
+            executor = self._reserve(tried)
+            try:
+                return executor.submit_reserved(request, stream)
+            except EngineUnavailableError:  # it failed between the choice and the send (its count is back)
+                tried.add(executor.index)
+
+    def _reserve(self, tried: set[int]) -> ReplicaExecutor:
+        """Under the lock: the replica to send to next, its in-flight count raised; else
+        ``EngineUnavailableError``, naming each replica's cause."""
         with self._lock:
             if self._closed:
                 raise EngineUnavailableError("the engine is closed")
             if len(self._executors) == 1:  # the common inline case, without the choice's bookkeeping
                 executor = self._executors[0]
-                if executor.healthy:
-                    try:
-                        return executor.submit(request, stream)
-                    except EngineUnavailableError:
-                        pass
-                raise EngineUnavailableError(self._none_healthy())
-            tried: set[int] = set()
-            while True:
+                executor = executor if executor.healthy and not tried else None
+            else:
                 executor = self._choose(tried)
-                if executor is None:
-                    raise EngineUnavailableError(self._none_healthy())
-                try:
-                    return executor.submit(request, stream)
-                except EngineUnavailableError:
-                    tried.add(executor.index)  # it failed between the check and the send
+            if executor is None:
+                raise EngineUnavailableError(self._none_healthy())
+            executor.reserve()
+            return executor
 
     def call(self, request: Any, timeout: float | None) -> Any:
         """``Engine.step``: run ``request`` on a replica and wait for its result in this thread.
@@ -69,13 +73,7 @@ class RequestDispatcher:
         makes way for the next one."""
         tried: set[int] = set()
         while True:
-            with self._lock:
-                if self._closed:
-                    raise EngineUnavailableError("the engine is closed")
-                executor = self._choose(tried)
-                if executor is None:
-                    raise EngineUnavailableError(self._none_healthy())
-                executor.reserve()
+            executor = self._reserve(tried)
             try:
                 waitable = executor.start_call(request)
             except EngineUnavailableError:

@@ -5,10 +5,11 @@ It owns its in-flight count (raised on submit, lowered when the future is done)
 and its health, which only ever goes from healthy to failed: an executor is never
 revived. A local replica may be rebuilt (``runtime.execution.restarts``): a new
 executor with the same index then takes the failed one's place in the dispatcher.
-The dispatcher uses two ways in: ``submit(request) -> Future`` (``Engine.submit``; the
-future is a plain ``concurrent.futures.Future``, completed by whichever thread reads the
-answer, and its ``result()`` only waits), and, for ``Engine.step``, ``reserve()`` (under the
-dispatcher's lock, so that concurrent choices see the load) then ``start_call(request)`` and
+The dispatcher takes a replica's in-flight count with ``reserve()`` under its lock (so that
+concurrent choices see the load), then, outside it, one of two ways in:
+``submit_reserved(request) -> Future`` (``Engine.submit``; the future is a plain
+``concurrent.futures.Future``, completed by whichever thread reads the answer, and its
+``result()`` only waits), or, for ``Engine.step``, ``start_call(request)`` and
 ``finish_call(waitable, timeout)`` on the calling thread: a local replica lets that thread
 read its own answer. ``start_call`` raises ``EngineUnavailableError`` only when nothing was
 sent (the dispatcher may then try another replica, and gives the count back on any error
@@ -104,11 +105,17 @@ class ReplicaExecutor(abc.ABC):
     def submit(self, request: Any, stream: Any = None) -> Future:
         """Hand ``request`` to this replica; its future completes later (from any thread).
         ``stream``: a ``StreamCall`` for a request submitted as a stream."""
+        self.reserve()
+        return self.submit_reserved(request, stream)
+
+    def submit_reserved(self, request: Any, stream: Any = None) -> Future:
+        """``submit`` after ``reserve()`` (the dispatcher's choice): the count goes back when the
+        future is done, or here when this raises (``EngineUnavailableError``: nothing was sent)."""
         error = self.error
         if error is not None:
+            self.release()
             raise EngineUnavailableError(f"replica {self.index} is not serving: {error}")
         future = Future()
-        self.reserve()
         future.add_done_callback(self._done)
         try:
             if stream is not None and self.streams:
@@ -117,7 +124,7 @@ class ReplicaExecutor(abc.ABC):
                 self._submit(request, future)
         except BaseException as exc:
             if not future.done():
-                future.set_exception(exc)
+                future.set_exception(exc)  # its done callback gives the count back
             raise
         return future
 

@@ -53,7 +53,7 @@ from runtime.serving.loop import IoLoop
 from runtime.serving.router import ServerSocket
 from runtime.serving.turns import Turns
 from runtime.transport.endpoints import CurveKeys, check_address
-from runtime.transport.shm import sweep_stale
+from runtime.transport.arena import sweep_stale
 
 __all__ = ["Server", "ServerOptions", "DEFAULT_MAX_INFLIGHT", "DEFAULT_MAX_MESSAGE_BYTES", "MAX_HEADER_BYTES"]
 

@@ -1,6 +1,6 @@
 """The server's shared memory, per connection (ipc:// only; the protocol is in runtime.transport.protocol).
 
-Imports only ``runtime.core.errors`` and ``runtime.transport.shm`` from the project; no torch.
+Imports only ``runtime.core.errors`` and ``runtime.transport.arena`` from the project; no torch.
 
     client                                   server I/O thread: ShmSessions
     register run_id, segments, [pid]  --->   register(): one ClientShm per connection
@@ -29,7 +29,7 @@ import threading
 import time
 
 from runtime.core.errors import ProtocolError
-from runtime.transport.shm import ShmArena, ShmMapper, new_run_id, sweep_stale
+from runtime.transport.arena import ShmArena, ShmMapper, new_run_id, sweep_stale
 
 log = logging.getLogger("phyrt.server")
 

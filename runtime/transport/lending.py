@@ -1,6 +1,6 @@
 """Blocks of a shared-memory arena lent to a caller, who writes a tensor there and sends it as it is.
 
-Imports nothing of the project; no torch. ``runtime.transport.shm.ShmArena`` keeps one
+Imports nothing of the project; no torch. ``runtime.transport.arena.ShmArena`` keeps one
 ``LentBlocks``; ``Engine.empty`` and ``Client.empty`` are its users (through ``ShmArena.lend``),
 the encoder (``runtime.transport.wire``) finds a sent tensor in it (``ShmArena.borrow``).
 

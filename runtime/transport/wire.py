@@ -72,7 +72,7 @@ _REFUSAL = "cannot encode {}"
 
 
 class Allocator(Protocol):
-    """Where the encoder puts large CPU tensors (``runtime.transport.shm.ShmArena``). One that
+    """Where the encoder puts large CPU tensors (``runtime.transport.arena.ShmArena``). One that
     also has ``borrow(address, nbytes) -> (segment, block offset, offset) | None`` (a lent
     block, ``runtime.transport.lending``) gets tensors already in its memory sent without a copy."""
 
@@ -80,7 +80,7 @@ class Allocator(Protocol):
 
 
 class Mapper(Protocol):
-    """How the decoder reaches them (``runtime.transport.shm.ShmMapper``); raises ProtocolError."""
+    """How the decoder reaches them (``runtime.transport.arena.ShmMapper``); raises ProtocolError."""
 
     def view(self, segment: str, offset: int, nbytes: int) -> memoryview: ...
 

@@ -6,7 +6,7 @@
       call.cancel() -> the executor's cancel hook   (bound once the request is queued)
     Engine.stream(request, timeout) -> Stream: an iterator over a StreamCall whose chunks go
       into a queue; leaving it early (break, close(), garbage collection) cancels the call,
-      and so does its deadline (``runtime.core.streams`` states the rule)
+      and so does its deadline (``runtime.core.chunk_stream`` states the rule)
 
 Invariants:
 - A chunk put after ``cancel()`` is dropped, and ``on_chunk`` is never called after it.
@@ -22,7 +22,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from runtime.core.streams import ChunkStream
+from runtime.core.chunk_stream import ChunkStream
 
 __all__ = ["StreamCall", "Stream"]
 
