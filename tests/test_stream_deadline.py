@@ -20,7 +20,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from runtime import Engine, EngineArgs
+from runtime import DeviceConfig, Engine, EngineArgs, EngineConfig
 from runtime.client import AsyncClient, Client
 from runtime.client.errors import DeadlineExceededError
 from runtime.serving.server import Server
@@ -43,7 +43,8 @@ def chunks(n: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def engine():
-    engine = Engine(EngineArgs(plugin="tests.stream_plugins:Paced"))
+    engine = Engine(EngineArgs(plugin="tests.stream_plugins:Paced",
+                               config=EngineConfig(device=DeviceConfig(target="cpu"))))  # about time, not devices
     yield engine
     engine.close()
 

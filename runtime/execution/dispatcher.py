@@ -76,13 +76,9 @@ class RequestDispatcher:
             executor = self._reserve(tried)
             try:
                 waitable = executor.start_call(request)
-            except EngineUnavailableError:
-                executor.release()
-                tried.add(executor.index)  # it failed between the choice and the send
+            except EngineUnavailableError:  # it failed between the choice and the send (its count is back)
+                tried.add(executor.index)
                 continue
-            except BaseException:
-                executor.release()
-                raise
             return executor.finish_call(waitable, timeout)
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:

@@ -11,9 +11,9 @@ concurrent choices see the load), then, outside it, one of two ways in:
 ``concurrent.futures.Future``, completed by whichever thread reads the answer, and its
 ``result()`` only waits), or, for ``Engine.step``, ``start_call(request)`` and
 ``finish_call(waitable, timeout)`` on the calling thread: a local replica lets that thread
-read its own answer. ``start_call`` raises ``EngineUnavailableError`` only when nothing was
-sent (the dispatcher may then try another replica, and gives the count back on any error
-there); from a ``start_call`` that returned, the count goes back once the request is done.
+read its own answer. ``submit_reserved`` and ``start_call`` raise ``EngineUnavailableError``
+only when nothing was sent (the dispatcher then tries another replica); either gives the count
+back itself: when it raises, else once the request is done.
 """
 
 from __future__ import annotations
@@ -143,15 +143,10 @@ class ReplicaExecutor(abc.ABC):
             self._inflight -= 1
 
     def start_call(self, request: Any) -> Any:
-        """After ``reserve()``: send ``request``; a waitable for ``finish_call``. Raises
-        ``EngineUnavailableError`` only when nothing was sent."""
-        error = self.error
-        if error is not None:
-            raise EngineUnavailableError(f"replica {self.index} is not serving: {error}")
-        future = Future()
-        self._submit(request, future)
-        future.add_done_callback(self._done)  # the count goes back when the request is done
-        return future
+        """After ``reserve()``: send ``request``; a waitable for ``finish_call``. As ``submit_reserved``:
+        ``EngineUnavailableError`` only when nothing was sent, and the count goes back here when
+        this raises, else when the request is done."""
+        return self.submit_reserved(request)
 
     def finish_call(self, waitable: Any, timeout: float | None) -> Any:
         """The result of ``start_call``'s request (its error raised), waited for here.

@@ -51,10 +51,14 @@ class MultiprocessExecutor(ReplicaExecutor):
 
     def start_call(self, request: Any) -> Any:
         """``Engine.step``: the calling thread reads its own answer when nobody else reads."""
-        error = self.error
-        if error is not None:
-            raise EngineUnavailableError(f"replica {self.index} is not serving: {error}")
-        return self._supervisor.start_call(self._group, request, self.release)  # counted until answered
+        try:
+            error = self.error
+            if error is not None:
+                raise EngineUnavailableError(f"replica {self.index} is not serving: {error}")
+            return self._supervisor.start_call(self._group, request, self.release)  # counted until answered
+        except BaseException:  # nothing went out: the count goes back now
+            self.release()
+            raise
 
     def finish_call(self, waitable: Any, timeout: float | None) -> Any:
         """The answer, read here (a request whose wait timed out runs on, counted, its result dropped)."""

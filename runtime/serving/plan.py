@@ -51,9 +51,10 @@ def build_engine_config(opts: argparse.Namespace) -> tuple[Any, Any]:
 
     tp = slots // opts.replicas
     parallel = ParallelConfig(dense=DenseParallelConfig(tp_size=tp), attention=AttentionParallelConfig(tp_size=tp))
-    target = _target(opts.device, opts.devices or tuple(range(slots)))
+    entries = opts.devices or tuple(range(slots))  # the devices the layout takes
+    target = _target(opts.device, entries)
     dtype = choose_dtype(opts.dtype, target, plugin, plugin_args)
-    _check_dtype_runs(dtype, target, opts.devices or (0,))
+    _check_dtype_runs(dtype, target, entries)
     device = DeviceConfig(target=opts.device, params_dtype=dtype)
     args = EngineArgs(plugin, plugin_args, EngineConfig(device=device, parallel=parallel))
     deployment = DeploymentConfig(
@@ -122,6 +123,8 @@ def _target(asked: str, entries: tuple[int, ...]) -> str:
 def _check_dtype_runs(dtype: str, target: str, entries: tuple[int, ...]) -> None:
     """BadArguments when the device cannot run ``dtype``: bfloat16 on a GPU older than Ampere, or a
     CPU build whose kernels refuse it."""
+    if dtype == "float32":  # every device runs it: nothing to ask
+        return
     import torch
 
     if target == "cuda":
