@@ -335,7 +335,7 @@ def test_curve_the_right_server_key_is_served_a_wrong_one_is_a_handshake_error(c
 
     server_public, server_secret = (key.decode() for key in zmq.curve_keypair())
     client_public, client_secret = (key.decode() for key in zmq.curve_keypair())
-    server = Launched("--address", f"tcp://127.0.0.1:{free_port()}", "--curve-secret-key", server_secret,
+    server = Launched("--address", f"tcp://127.0.0.1:{free_port()}", f"--curve-secret-key={server_secret}",
                       log_dir=tmp_path)
     try:
         served = client_call(cpp_build, server.address, "--server-public-key", server_public,

@@ -303,7 +303,7 @@ def test_curve_on_all_interfaces_serves_only_clients_with_keys(tmp_path):
     client_public, client_secret = zmq.auth.create_certificates(str(tmp_path), "client")
     port = free_port()
     server = Launched("--plugin", "tests.plugins:Echo", "--device", "cpu", "--address", f"tcp://0.0.0.0:{port}",
-                      "--curve-secret-key", server_secret, "--curve-public-key", server_public, log_dir=tmp_path)
+                      f"--curve-secret-key={server_secret}", f"--curve-public-key={server_public}", log_dir=tmp_path)
     try:
         address = f"tcp://127.0.0.1:{port}"
         with Client(address, server_public_key=server_public, public_key=client_public,

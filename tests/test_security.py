@@ -339,7 +339,7 @@ def test_curve_clients_with_a_wrong_key_get_no_service(tmp_path):
     wrong_server_public, _ = zmq.auth.create_certificates(str(other), "not-the-server")
     port = free_port()
     server = Launched("--plugin", "tests.plugins:Echo", "--device", "cpu", "--address", f"tcp://127.0.0.1:{port}",
-                      "--curve-secret-key", server_secret, "--curve-public-key", server_public,
+                      f"--curve-secret-key={server_secret}", f"--curve-public-key={server_public}",
                       "--curve-authorized-clients", str(allowed), "--log-level", "warning", log_dir=tmp_path)
     address = f"tcp://127.0.0.1:{port}"
     short = {"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 0.5}
@@ -497,8 +497,8 @@ def curve_echo(tmp_path_factory):
             "unknown": zmq.auth.create_certificates(str(dirs["other"]), "unknown"),
             "not-the-server": zmq.auth.create_certificates(str(dirs["other"]), "not-the-server")}
     server = Launched("--plugin", "tests.plugins:Echo", "--device", "cpu", "--address",
-                      f"tcp://127.0.0.1:{free_port()}", "--curve-secret-key", keys["server"][1],
-                      "--curve-public-key", keys["server"][0], "--curve-authorized-clients", str(dirs["allowed"]),
+                      f"tcp://127.0.0.1:{free_port()}", f"--curve-secret-key={keys['server'][1]}",
+                      f"--curve-public-key={keys['server'][0]}", "--curve-authorized-clients", str(dirs["allowed"]),
                       "--log-level", "warning", log_dir=root)
     yield server, keys
     assert server.stop() == 0, server.log()

@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on SIGINT/SIGTERM (or exit 3), how long in-flight requests may still finish")
     serve.add_argument("--curve-secret-key", default=None, metavar="KEY_OR_FILE",
                        help="the server's CURVE secret key (z85) or a zmq.auth .key_secret file; needed to "
-                            "bind an interface other than loopback (see below to make one)")
+                            "bind an interface other than loopback (see below to make one); a z85 key that "
+                            "starts with '-' goes as --curve-secret-key=KEY")
     serve.add_argument("--curve-public-key", default=None, metavar="KEY_OR_FILE",
                        help="the server's CURVE public key (z85) or .key file (default: derived from the secret)")
     serve.add_argument("--curve-authorized-clients", default=None, metavar="DIR",
