@@ -54,7 +54,7 @@ import zmq
 
 from runtime import Engine, EngineArgs, register_plugin
 from runtime.transport import protocol, wire
-from runtime.client.errors import error_from_reply
+from runtime.client.server_errors import error_from_reply
 from runtime.core.errors import ProtocolError
 from runtime.core.plugins import Entry
 from runtime.link import client_protocol, rank_protocol
@@ -103,7 +103,7 @@ class FuzzContext:
     """
 
     def __init__(self) -> None:
-        from runtime.serving.shm import ClientShm
+        from runtime.link.peer_shm import ClientShm
 
         self.run_id = new_run_id()
         self.arena = ShmArena(self.run_id, 1 << 16)
@@ -198,7 +198,7 @@ def decode_server(ctx: FuzzContext, frames: list[bytes]) -> None:
     """What the server's I/O thread does with a message, short of the engine."""
     from runtime.serving.server import MAX_HEADER_BYTES
     from runtime.link.client_protocol import register_fields, release_blocks, submit_options
-    from runtime.serving.requests import request_tensor
+    from runtime.serving.outcomes import request_tensor
 
     if not frames:
         raise ProtocolError("no frames")
@@ -263,13 +263,14 @@ class ServerHandle:
     ``feed(frames)`` handles one message and collects the replies instead of sending them."""
 
     def __init__(self, ctx: FuzzContext) -> None:
+        from runtime.link.listener import Responder
         from runtime.serving.handlers import MessageHandler
 
         register_plugin("phyrt-fuzz-sink", Sink)
         self.dir = tempfile.mkdtemp(prefix="phyrt-fuzz-")
         self.engine = Engine(EngineArgs(plugin="phyrt-fuzz-sink"))
         # ipc://: shared memory is offered there only (nothing is bound: the replies come here)
-        self.server = MessageHandler(self.engine, f"ipc://{self.dir}/fuzz.sock", self._capture)
+        self.server = MessageHandler(self.engine, Responder(f"ipc://{self.dir}/fuzz.sock", self._capture))
         self.replies: list[dict] = []
         self.identity = b"fuzz-peer"
         self.ctx = ctx

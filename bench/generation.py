@@ -136,6 +136,9 @@ def run(ctx: RunContext) -> Section:
 
         streaming = stream_table({k: e for k, e in engines.items() if k != TP1_PLAIN}, batch, new_tokens, ctx.quick,
                                  ctx.progress)
+        from bench import llm_prefix  # issue 35: prefix caching and chunked prefill (engines of its own)
+
+        prefix_tables, prefix_targets, prefix_data = llm_prefix.run(path, ctx.quick, ctx.progress)
     import torch
 
     method = [f"`bench.llm`'s random Qwen3 ({params / 1e6:.0f}M parameters, fp32, CPU, torch "
@@ -148,13 +151,16 @@ def run(ctx: RunContext) -> Section:
               "within a round. Greedy tokens compared with those of transformers' hand-batched call on all prompts "
               "(first round)."]
     table, section.data = tables(rates, mismatched, levels, method, "Tokens per second against concurrency (CPU)")
+    section.data["prefix_caching_and_chunked_prefill"] = prefix_data
     section.tables.append(table)
     section.tables.append(streaming)
+    section.tables += prefix_tables
     ours = p50(rates[("qwen3 tp=1 (inline engine)", max(levels))]) / p50(rates[(HF_ONE, 1)])
     section.targets.append(Target(
         f"qwen3 tp=1 serving {max(levels)} concurrent requests ≥ {llm.TARGET_RATIO:g}× transformers serving them "
         "(one generate call per request)", f"{ours:.2f}×", ours >= llm.TARGET_RATIO))
     section.targets += decode_targets({key: p50(v) for key, v in rates.items()}, max(levels))
+    section.targets += prefix_targets
     return section
 
 

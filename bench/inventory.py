@@ -38,15 +38,16 @@ PACKAGES = ("runtime", "supervisor", "workers", "models")
 # ``python -m runtime.launch --devices 0,1`` (plugin "policy", local mode, one replica, tp=2, CPU).
 REQUEST_WALK = [
     # client process, the calling thread
-    ("client", "caller", "runtime.client.client", "Client.call", "take the reader role, prepare, exchange"),
-    ("client", "caller", "runtime.transport.reader", "ReaderRole.take_free", "become the socket's reader"),
+    ("client", "caller", "runtime.client.client", "Client.call", "check, then the link's call"),
+    ("client", "caller", "runtime.link.link", "Link.call", "prepare, enter, transmit, read"),
     ("client", "caller", "runtime.link.client_protocol", "plain_submit", "try the plain fast path (refused: a tensor)"),
-    ("client", "caller", "runtime.client.placement", "Placement.encoder", "a PayloadEncoder over the shm session"),
+    ("client", "caller", "runtime.link.session", "ShmSessions.encoder", "a PayloadEncoder over the shm session"),
     ("client", "caller", "runtime.transport.protocol", "PayloadEncoder.pack_message", "header + tensor frame"),
     ("client", "caller", "runtime.transport.codec", "pack", "msgpack fast path"),
     ("client", "caller", "runtime.core.futures", "Slot", "the caller's own future"),
-    ("client", "caller", "runtime.client.replies", "Replies.add", "register the request as pending"),
-    ("client", "caller", "runtime.client.connection", "Connection.exchange", "outbox, send_multipart, spin-poll"),
+    ("client", "caller", "runtime.link.dealer", "Dealer.enter", "register + take the socket, one lock"),
+    ("client", "caller", "runtime.link.dealer", "Dealer.transmit", "send_multipart"),
+    ("client", "caller", "runtime.link.dealer", "Dealer.read", "spin-poll, read"),
     ("client", "caller", "runtime.transport.spin", "Spinner.wait", "spin before sleeping in zmq_poll"),
     # server process, the looping I/O thread
     ("server", "phyrt-server-0", "runtime.serving.loop", "IoLoop.run", "poll, read a batch"),
@@ -95,10 +96,10 @@ REQUEST_WALK = [
     ("server", "phyrt-supervisor", "runtime.transport.protocol", "PayloadEncoder.pack_message", "reply + frame"),
     ("server", "phyrt-supervisor", "runtime.serving.router", "ServerSocket.send", "ROUTER send, under its lock"),
     # client process, the calling thread again
-    ("client", "caller", "runtime.client.connection", "Connection.read_one", "recv the reply"),
-    ("client", "caller", "runtime.client.replies", "Replies.handle", "decode, TensorResolver, complete"),
+    ("client", "caller", "runtime.link.dealer", "Dealer.read_one", "recv the reply"),
+    ("client", "caller", "runtime.link.awaited", "Awaited.handle", "claim, decode, TensorResolver"),
     ("client", "caller", "runtime.transport.protocol", "TensorResolver.resolve", "tensor frame -> numpy"),
-    ("client", "caller", "runtime.core.futures", "Slot.set_result", "via replies.complete"),
+    ("client", "caller", "runtime.core.futures", "Slot.set_result", "via Awaited.complete"),
 ]
 
 

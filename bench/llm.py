@@ -50,7 +50,7 @@ CONCURRENT = 16
 TARGET_RATIO = 2.0
 ONE, HAND, CONC = "1 request at a time", f"{CONCURRENT} prompts in one call", f"{CONCURRENT} concurrent requests"
 CONFIG = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-              num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=512,
+              num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=2048,
               tie_word_embeddings=False)
 
 

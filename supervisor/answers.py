@@ -1,28 +1,28 @@
 """The ranks' answers: what the thread holding the reader role does with the ctl ROUTER.
 
-    rank DEALER "c-R-r" --"done" {id, ok, result | error}--> ctl ROUTER --take()--> AnswerReader
-      output rank's result -> taken (completed in after_poll, after the bookkeeping)
-      every rank answered  -> finished: its request-arena blocks are freed, their names unlinked
-      a rank's error       -> the group fails (a dead peer, if any, is blamed)
-      output rank's "partial" {id, chunk} of a stream -> chunks taken (delivered in after_poll,
-                               before the results: a stream's chunks come before its last one)
+    output rank DEALER "c-R-0" --"done" {id, ok, result | error}--> ctl ROUTER --take()--> AnswerReader
+      its result       -> taken (completed in after_poll, after the bookkeeping); the request's
+                          request-arena blocks retired: freed, their names unlinked, once every
+                          rank released the request on the ring (``groups.reclaim``)
+      its "partial" {id, chunk} of a stream -> chunks taken (delivered in after_poll, before the
+                          results: a stream's chunks come before its last one)
+    any rank's "done" {ok: false} (a plugin exception) -> the group fails (a dead peer, if any, is blamed)
     "ready" / "startup_error" -> Startup
-    result views garbage-collected -> group.frees -> "free" {blocks} --> the rank that placed them
+    result views garbage-collected -> group.frees -> "free" {blocks} on the ring --> the output rank
+
+Non-output ranks answer nothing per request (``workers.main``): only their failures come here.
 
 Invariants:
 - Only the reader calls ``take``, ``after_poll``, ``send_frees`` and ``send_shutdown`` (the
   last once nobody reads, at close): the ROUTER is used by one thread at a time.
-- One ROUTER message per ``take`` (the poll is level-triggered); after an output rank's
-  answer, also the other ranks' answers already queued, rather than while the woken caller
-  waits for the GIL. Taken results complete their futures in ``after_poll``; any failure
-  of a group (``fail``) first completes the answers taken, as if each had been completed
-  on arrival.
+- One ROUTER message per ``take`` (the poll is level-triggered). Taken results complete their
+  futures in ``after_poll``; any failure of a group (``fail``) first completes the answers
+  taken, as if each had been completed on arrival.
 - Result segments are unlinked as soon as this process has mapped them.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import re
 from concurrent.futures import Future
@@ -33,17 +33,19 @@ import zmq
 from runtime.core.errors import ProtocolError
 from runtime.core.futures import resolve
 from runtime.link import rank_protocol as rp
+from runtime.link.broadcast import FLAG_CONTROL
 from runtime.transport import wire
 from runtime.transport.reader import ReaderRole
 from runtime.transport.arena import ShmMapper
 from runtime.transport.shm_names import unlink_quiet
 from supervisor.boot import Startup
 from supervisor.failure import Failures
-from supervisor.groups import GroupState, PendingRequest, RankState, recv_from_rank
+from supervisor.groups import GroupState, PendingRequest, RankState, flush_rings, reclaim, recv_from_rank, retire
 
 log = logging.getLogger("phyrt.supervisor")
 
-_POLLIN = int(zmq.POLLIN)
+#: result blocks per "free" message (each fits a ring slot with room to spare)
+FREES_PER_MESSAGE = 128
 #: how long a rank's error that reads like a lost peer waits for a peer's death to show
 PEER_DEATH_GRACE_S = 0.2
 _PEER_LOSS = re.compile(r"connection (?:reset|closed|refused|aborted)|by peer|broken pipe|econnreset|epipe"
@@ -64,8 +66,8 @@ class AnswerReader:
         self._unlinked: set[str] = set()  # result segments whose names are already gone
         self._ready: list[tuple[Future, Any]] = []  # results taken, to complete in after_poll
         self._chunks: list[tuple[Any, Any]] = []  # (StreamCall, chunk) taken, to deliver in after_poll
-        self._finished: list[tuple[GroupState, PendingRequest]] = []  # every rank answered
-        self._others_due = False  # the last message taken was an answer that others' answers follow
+        self._finished: list[tuple[GroupState, PendingRequest]] = []  # answered by the output rank
+        self.waiting = False  # after the last after_poll: a ring still waits for a rank (look again soon)
 
     def fail(self, group: GroupState, reason: str, cause: BaseException | None = None, *,
              defer: bool = False) -> None:
@@ -75,18 +77,17 @@ class AnswerReader:
         self._failures.fail(group, reason, cause, defer=defer)
 
     def take(self) -> None:
-        """Take one message (the poll said there is one), and the answers queued after an
-        output rank's."""
+        """Take one message (the poll said there is one)."""
         self._recv()
-        while self._others_due and self._router.getsockopt(zmq.EVENTS) & _POLLIN:
-            self._recv()
 
     def after_poll(self) -> None:
-        """The reader's bookkeeping after each poll: blocks back to the ranks, futures completed."""
+        """The reader's bookkeeping after each poll: blocks back to the ranks, futures completed,
+        the rings flushed."""
         if self.frees_waiting():
             self.send_frees()
         if self._ready or self._finished or self._chunks:
             self.complete()
+        self.waiting = flush_rings(self._groups)
 
     def complete(self) -> None:
         """Deliver the stream chunks taken, complete the futures of the answers taken, then free
@@ -103,11 +104,9 @@ class AnswerReader:
             # taken even when the request placed nothing: uncontended it costs next to nothing
             # (and test_kill_matrix stalls this thread through it, to open a race on purpose)
             with group.arena_lock:
-                if pending.blocks:
-                    for segment, offset in pending.blocks:
-                        group.arena.free(segment, offset)
-                    for segment in {s for s, _ in pending.blocks} & set(group.arena.segments):
-                        group.arena.unlink(segment)  # every rank has mapped it by now
+                retire(group, pending.seq, pending.blocks)
+            if group.retired:
+                reclaim(group)
 
     def frees_waiting(self) -> bool:
         return any(g.frees for g in self._groups)
@@ -116,24 +115,22 @@ class AnswerReader:
         for group in self._groups:
             if not group.frees:
                 continue
-            blocks: dict[int, list] = collections.defaultdict(list)
+            blocks = []
             while group.frees:
-                rank, segment, offset = group.frees.popleft()
-                blocks[rank].append([segment, offset])
+                _, segment, offset = group.frees.popleft()  # the output rank's: only it has a result arena
+                blocks.append([segment, offset])
             if group.failed is not None:
                 continue
-            for rank, items in blocks.items():
-                self._send(group, rank, wire.pack_message(rp.FREE, 0, blocks=items))
+            for start in range(0, len(blocks), FREES_PER_MESSAGE):  # each fits a ring slot
+                group.ring.write(wire.pack_message(rp.FREE, 0, blocks=blocks[start:start + FREES_PER_MESSAGE]),
+                                 FLAG_CONTROL)
 
     def send_shutdown(self, group: GroupState) -> None:
-        for r in group.ranks:
-            self._send(group, r.rank, wire.pack_message(rp.SHUTDOWN, 0))
-
-    def _send(self, group: GroupState, rank: int, message: bytes) -> None:
-        try:
-            self._router.send_multipart([f"c-{group.index}-{rank}".encode(), message])
-        except zmq.ZMQError:
-            pass  # the rank is gone; its arena went with it
+        """The ring's last message; closing the ring lets it overtake the requests still queued there."""
+        if group.ring is None:  # the start failed before the group had one
+            return
+        group.ring.write(wire.pack_message(rp.SHUTDOWN, 0), FLAG_CONTROL)
+        group.ring.close()
 
     def _recv(self) -> None:
         self._others_due = False
@@ -172,21 +169,17 @@ class AnswerReader:
             self.fail(group, f"rank {r.rank} failed to start: {cause.remote_type}: {cause.remote_message}", cause)
 
     def _request_done(self, group: GroupState, r: RankState, msg: dict[str, Any]) -> None:
-        pending = group.pending.get(msg["id"])
-        if pending is None:
-            raise ProtocolError(f"answer to unknown request {msg['id']!r}")
-        if not msg.get("ok"):
+        if not msg.get("ok"):  # any rank's: the group fails (the request may be answered already)
             self._request_failed(group, r, msg)
             return
-        if r.rank == 0:
-            # completed after this poll's bookkeeping, before anything fails this group
-            self._ready.append((pending.future, msg.get("result")))
-        pending.ranks_done.add(r.rank)
-        if len(pending.ranks_done) == len(group.ranks):
-            del group.pending[msg["id"]]
-            self._finished.append((group, pending))  # its blocks go back right after that
-        else:
-            self._others_due = 0 in pending.ranks_done  # its caller is about to be woken
+        if r.rank != 0:
+            raise ProtocolError(f"rank {r.rank} answered request {msg['id']!r}: only the output rank answers")
+        pending = group.pending.pop(msg["id"], None)
+        if pending is None:
+            raise ProtocolError(f"answer to unknown request {msg['id']!r}")
+        # completed after this poll's bookkeeping, before anything fails this group
+        self._ready.append((pending.future, msg.get("result")))
+        self._finished.append((group, pending))  # its blocks go back once every rank released it
 
     def _request_failed(self, group: GroupState, r: RankState, msg: dict[str, Any]) -> None:
         cause = rp.remote_error(msg)

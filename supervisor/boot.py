@@ -1,15 +1,15 @@
 """Spawn and boot: start every rank of every replica, and the handshake that ends the start.
 
     supervisor                                         rank process (workers.main.main(boot))
-    bind the rank's inbox PUSH ipc://RUN/in-R-r
+    create the replica's broadcast ring (runtime.link.broadcast), its name in the boot message
     SpawnThread: Process(spawn).start(boot msgpack) -> prctl(PDEATHSIG), SIGINT ignored, name;
                                                        connect ctl DEALER
-                                                       "c-R-r", hb DEALER "h-R-r", inbox PULL;
-                                                       process group, plugin build
+                                                       "c-R-r", hb DEALER "h-R-r";
+                                                       process group, plugin build, map the ring
     ctl ROUTER (the reader) <------------------------ READY {segments} | STARTUP_ERROR {error}
                                                        (runtime.link.rank_protocol)
     Startup.rank_ready: map the rank's result segments (so that their names can go at once);
-    once every rank is ready, unlink the request arenas' first segments; wait() returns
+    once every rank is ready, unlink the request arenas' first segments and the rings; wait() returns
 
 Rendezvous of a replica's ranks (more than one): with ``base_port`` None, a torch
 FileStore on ``RUN/store-R``, a fresh file in this supervisor's private run directory
@@ -32,11 +32,11 @@ import time
 from typing import Any, Callable
 
 import msgpack
-import zmq
 
 from runtime.core.config import EngineArgs, WorkerSupervisorConfig, dtype_name
 from runtime.core.errors import ProtocolError, WorkerStartupError
 from runtime.link import rank_protocol as rp
+from runtime.link.broadcast import BroadcastWriter
 from runtime.transport import wire
 from runtime.transport.arena import ShmArena, ShmMapper
 from runtime.transport.spin import usable_cores
@@ -99,6 +99,7 @@ class Startup:
             for g in self._groups:
                 with g.arena_lock:
                     g.arena.unlink_all()  # every rank mapped the first segment at start
+                g.ring.unlink()  # and the ring
             self.finish(None)
 
     def check_timeout(self, started: float, now: float) -> None:
@@ -110,9 +111,8 @@ class Startup:
 class Launcher:
     """Starts the ranks of every replica into ``groups`` (from the ``SpawnThread``)."""
 
-    def __init__(self, ctx: zmq.Context, run_id: str, run_dir: str, mapper: ShmMapper,
-                 spawner: SpawnThread) -> None:
-        self._ctx, self._run_id, self._run_dir = ctx, run_id, run_dir
+    def __init__(self, run_id: str, run_dir: str, mapper: ShmMapper, spawner: SpawnThread) -> None:
+        self._run_id, self._run_dir = run_id, run_dir
         self._mapper, self._spawner = mapper, spawner
 
     def spawn(self, groups: list[GroupState], args: EngineArgs, plugin_spec: str,
@@ -140,9 +140,11 @@ class Launcher:
         cuda = target == "cuda"
         for replica, devices in enumerate(placement):
             group = GroupState(replica, [], ShmArena(self._run_id, ARENA_BYTES), engine_replica=first_replica + replica)
-            groups.append(group)
+            groups.append(group)  # closed with the supervisor from here on, as its ring
+            group.ring = BroadcastWriter(self._run_id, len(devices))
             where = {**common, **self._rendezvous(config, replica, first_replica + replica),
-                     "replica_index": first_replica + replica}
+                     "replica_index": first_replica + replica, "ring": group.ring.name,
+                     "ring_nonce": group.ring.nonce}
             for rank, device in enumerate(devices):
                 self._spawn_rank(group, rank, device, where, cuda)
 
@@ -154,13 +156,7 @@ class Launcher:
 
     def _spawn_rank(self, group: GroupState, rank: int, device: int, common: dict[str, Any], cuda: bool) -> None:
         replica = group.index
-        inbox = self._ctx.socket(zmq.PUSH)
-        inbox.setsockopt(zmq.LINGER, 0)
-        inbox.setsockopt(zmq.SNDHWM, 0)  # never drop, never block: HWM 0 is unbounded
-        inbox_address = f"ipc://{self._run_dir}/in-{replica}-{rank}"
-        group.inboxes.append(inbox)
-        inbox.bind(inbox_address)
-        boot = msgpack.packb({**common, "inbox": inbox_address, "replica": replica, "rank": rank, "device": device,
+        boot = msgpack.packb({**common, "replica": replica, "rank": rank, "device": device,
                               "premap": group.arena.segments}, use_bin_type=True)
         decoder = wire.TensorDecoder(mapper=ResultMapper(self._mapper, group, rank), allow_cuda_ipc=cuda)
         process = multiprocessing.get_context("spawn").Process(

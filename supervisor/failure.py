@@ -1,7 +1,7 @@
 """Failures: a replica's group stops serving exactly once, and the rank to blame is named.
 
     any thread: fail(group, reason)       an exited rank, no heartbeat, a malformed message,
-                                          a plugin exception, an execution timeout, a dead inbox
+                                          a plugin exception, an execution timeout
       under the channel's lock: group.failed = reason; pending = swap(group.pending)
       -> the request arena closed (its names unlinked)
       -> pending futures fail with EngineUnavailableError("replica R failed: <reason>")

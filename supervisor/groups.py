@@ -7,6 +7,7 @@ mapper whose result views give their block back when garbage-collected).
 from __future__ import annotations
 
 import collections
+import heapq
 import logging
 import math
 import threading
@@ -58,17 +59,17 @@ class ReapedProcess:
 
 
 class PendingRequest:
-    """A request sent to every rank of a group: its future, its deadline (monotonic, or
-    None), the ranks that answered, the request arena's blocks it placed, and, for a
+    """A request broadcast to the ranks of a group: its future, its deadline (monotonic, or
+    None), its seq on the group's ring, the request arena's blocks it placed, and, for a
     request submitted as a stream, its ``StreamCall`` (the output rank's chunks go there)."""
 
-    __slots__ = ("future", "deadline", "ranks_done", "blocks", "stream")
+    __slots__ = ("future", "deadline", "seq", "blocks", "stream")
 
     def __init__(self, future: Future, deadline: float | None, blocks: list[tuple[str, int]],
                  stream: Any = None) -> None:
         self.future = future
         self.deadline = deadline
-        self.ranks_done: set[int] = set()
+        self.seq = 0
         self.blocks = blocks
         self.stream = stream
 
@@ -82,7 +83,10 @@ class GroupState:
     pending: dict[int, PendingRequest] = field(default_factory=dict)
     failed: str | None = None
     frees: collections.deque = field(default_factory=collections.deque)
-    inboxes: list = field(default_factory=list)  # one PUSH per rank, used under the channel's lock
+    # the ``runtime.link.broadcast.BroadcastWriter`` to the group's ranks (thread-safe)
+    ring: Any = None
+    # (seq, blocks) of answered requests whose blocks wait for every rank's release; a heap, under arena_lock
+    retired: list = field(default_factory=list)
     # idle (LockedArena, wire.TensorEncoder) pairs for submits to reuse (list.pop and append are atomic)
     encoders: list = field(default_factory=list)
     # the engine's index of this replica, for messages and the ranks (``index`` counts within
@@ -152,6 +156,44 @@ def lend_tensor(group: GroupState, shape: tuple[int, ...], dtype: Any) -> Any:
     # let_go, not free: a finalizer may run in a thread that holds the arena's lock
     weakref.finalize(holder, group.arena.let_go, segment, offset).atexit = False
     return torch.frombuffer(memoryview(holder), dtype=dtype, count=count).view(shape)
+
+
+def retire(group: GroupState, seq: int, blocks: list[tuple[str, int]]) -> None:
+    """Under ``arena_lock``: the blocks of request ``seq`` (answered by the output rank) go back
+    once every rank released it (``reclaim``)."""
+    if blocks:
+        heapq.heappush(group.retired, (seq, blocks))
+
+
+def reclaim(group: GroupState) -> None:
+    """Free the retired blocks of the requests that every rank released (the reader and the
+    watch thread call it; the ring's credits tell)."""
+    if not group.retired or group.ring is None:
+        return
+    released = group.ring.released()  # not under arena_lock: the ring's lock is its own
+    with group.arena_lock:
+        retired, arena = group.retired, group.arena
+        while retired and retired[0][0] <= released:
+            _, blocks = heapq.heappop(retired)
+            for segment, offset in blocks:
+                arena.free(segment, offset)
+            for segment in {s for s, _ in blocks} & set(arena.segments):
+                arena.unlink(segment)  # every rank has mapped it by now
+
+
+def flush_rings(groups: list[GroupState]) -> bool:
+    """Send what waited for the ranks' credits, and free what they released; whether a ring
+    still has messages or blocks waiting for a rank (then look again soon)."""
+    waiting = False
+    for group in groups:
+        if group.failed is not None or group.ring is None:
+            continue
+        if group.ring.queued and group.ring.flush():
+            waiting = True
+        if group.retired:
+            reclaim(group)
+            waiting = waiting or bool(group.retired)
+    return waiting
 
 
 def free_blocks(group: GroupState, blocks: list[tuple[str, int]]) -> None:

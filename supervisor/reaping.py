@@ -94,6 +94,8 @@ class Reaping:
                 stop_ranks([r.process for r in group.ranks], polite=polite)
             finally:
                 self.release(group.ranks)
+                if group.ring is not None:
+                    group.ring.close()  # nobody reads it any more
 
     def release(self, ranks: list[RankState]) -> None:
         """Close the ``Process`` of each stopped rank (its sentinel and its other pipe), waiting

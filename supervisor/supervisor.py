@@ -2,8 +2,8 @@
 over one module per concern.
 
     caller threads                      watch thread (I/O)                 rank processes
-    submit(replica, request, future) -- channel: inbox PUSH ------------> PULL (every rank)
-    future.result(): the reader ------- channel: ctl ROUTER <--"done"---- DEALER "c-R-r"
+    submit(replica, request, future) -- channel: broadcast ring -------> every rank reads it
+    future.result(): the reader ------- channel: ctl ROUTER <--"done"---- DEALER "c-R-0" (output rank)
                                         otherwise the reader: ctl ROUTER <-- (same answers)
                                         always: hb ROUTER <------"hb"---- DEALER "h-R-r"
                                         sentinels, wake-ups, deadlines
@@ -107,11 +107,11 @@ class WorkerSupervisor:
         router = self._socket(zmq.ROUTER, self.address)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         hb = self._socket(zmq.ROUTER, f"ipc://{self.run_dir}/hb")
-        Launcher(self._ctx, self.run_id, self.run_dir, self._mapper, self._spawner).spawn(
+        Launcher(self.run_id, self.run_dir, self._mapper, self._spawner).spawn(
             self._groups, args, plugin_spec, placement, self.config, target, self.worker_spin_ns,
             self._first_replica)
         self._answers = AnswerReader(router, self._groups, self._role, self._failures, self._startup, self._mapper)
-        self._channel = RequestChannel(self._groups, self._role, self._answers, self._failures, router,
+        self._channel = RequestChannel(self._groups, self._role, self._answers, router,
                                        self.config, caller_spin_ns, self._wakeup.wake)
         self._watch = Watch(self._groups, hb, router, self._wakeup, self._channel, self._answers, self._failures,
                             self._startup, self.config)
@@ -191,10 +191,9 @@ class WorkerSupervisor:
     def _release_resources(self) -> None:
         for group in self._groups:
             group.arena.close()
+            if group.ring is not None:
+                group.ring.close()
         self._mapper.close()
-        for group in self._groups:
-            for inbox in group.inboxes:
-                inbox.close(0)
         for sock in self._sockets:
             sock.close(0)
         self._wakeup.close()

@@ -4,6 +4,7 @@
     rank process sentinels (duplicates) ------+--> one zmq_poll --> heartbeats, an exited rank,
     wake-up pipe (submit, a reader leaving) --+      a wake-up; as the reader, one ctl ROUTER
     ctl ROUTER, when it holds the reader role +      message; then deadlines and bookkeeping
+    each turn: the rings' queued messages flushed, released request blocks freed (groups.flush_rings)
 
 Each iteration: check the deadlines when due (heartbeats, requests, the start); take the
 reader role if answers are due and no caller reads (``ReaderRole.take_locked``); poll;
@@ -37,7 +38,7 @@ from supervisor.answers import AnswerReader, answers_due
 from supervisor.boot import Startup
 from supervisor.channel import RequestChannel
 from supervisor.failure import Failures
-from supervisor.groups import GroupState, RankState, recv_from_rank
+from supervisor.groups import GroupState, RankState, flush_rings, recv_from_rank
 
 log = logging.getLogger("phyrt.supervisor")
 
@@ -100,7 +101,9 @@ class Watch:
             items: list[tuple[Any, int]] = [(hb, _POLLIN), (wake_fd, _POLLIN), *((fd, _POLLIN) for fd in sentinels)]
             if reading:
                 items.append((router, _POLLIN))
-            for item, _ in zmq.zmq_poll(items, max(0, int((self._channel.wake_at - now) * 1000) + 1)):
+            # a ring waiting for a rank's credit: flushed each turn, so look again soon
+            wait_ms = 2 if flush_rings(self._groups) else max(0, int((self._channel.wake_at - now) * 1000) + 1)
+            for item, _ in zmq.zmq_poll(items, wait_ms):
                 if item is router:
                     self._answers.take()
                 elif item is hb:

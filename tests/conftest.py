@@ -108,12 +108,6 @@ def run_sockets(run_dir: str) -> dict[tuple[str, str], int]:
     return dict(found)
 
 
-def inbox_connected(engine: Any, replica: int, rank: int) -> bool:
-    """Whether this process still holds a connection on the rank's inbox (ipc RUN_DIR/in-REPLICA-RANK,
-    bound here, connected to by the rank): libzmq drops it once it sees the rank's end close."""
-    return run_sockets(supervisor_of(engine).run_dir).get((f"in-{replica}-{rank}", "conn"), 0) > 0
-
-
 #: Linux x86_64 / aarch64 syscall numbers of a thread asleep in poll (zmq_poll) and in futex (a lock)
 _POLL_SYSCALLS = {"x86_64": {7, 271}, "aarch64": {73}}.get(os.uname().machine, set())
 

@@ -646,22 +646,32 @@ def test_a_client_made_before_its_server_listens_is_served_once_it_does(tmp_path
 
 
 class _ReaderProbe:
-    """Wraps ``Connection.poll`` and ``Connection.exchange`` (called only by the thread that holds
-    the socket to read it): counts how many threads are in them at once, and which threads read."""
+    """Wraps ``Dealer.read`` (a caller holding the socket reads) and the link thread's read of one
+    message (``Link._on_readable``) to learn which threads read, and the socket's ``recv`` to count
+    how many threads are in it at once and whether each is the socket's holder (``strays``)."""
 
     def __init__(self, client: Client) -> None:
         self._lock = threading.Lock()
-        self.inside = self.most = 0
+        self.inside = self.most = self.strays = 0
         self.readers: set[str] = set()
-        conn = client._conn
-        conn.poll, conn.exchange = self._wrap(conn.poll), self._wrap(conn.exchange)
+        link = client._link
+        dealer = self._dealer = link.dealer
+        dealer.read, link._on_readable = self._named(dealer.read), self._named(link._on_readable)
+        dealer.sock.recv = self._counted(dealer.sock.recv)
 
-    def _wrap(self, method):
+    def _named(self, method):
+        def probed(*args, **kwargs):
+            with self._lock:
+                self.readers.add(threading.current_thread().name)
+            return method(*args, **kwargs)
+        return probed
+
+    def _counted(self, method):
         def probed(*args, **kwargs):
             with self._lock:
                 self.inside += 1
                 self.most = max(self.most, self.inside)
-                self.readers.add(threading.current_thread().name)
+                self.strays += self._dealer.holder != threading.get_ident()
             try:
                 return method(*args, **kwargs)
             finally:
@@ -706,9 +716,9 @@ def test_callers_and_submitters_at_once_each_get_their_own_replies(client):
     for t in threads:
         t.join(100)
     assert not errors, errors[:3]
-    assert probe.most == 1  # one reader at a time
+    assert probe.most == 1 and probe.strays == 0  # one reader at a time, the socket's holder
     assert any(name.startswith("caller-") for name in probe.readers)  # callers read themselves
-    assert client._replies.pending == {} and client._role.holder is None
+    assert len(client._link.awaited.table) == 0 and client._link.dealer.holder is None
 
 
 @pytest.mark.timeout(60)
@@ -788,7 +798,7 @@ def test_closing_the_client_fails_a_call_that_is_reading(echo, tmp_path):
     thread.join(10)
     assert isinstance(outcome.get("error"), ConnectionLostError), outcome
     assert outcome["at"] - running < 1.2  # failed at close, not when the reply came (1.5 s after it ran)
-    assert not client._io.thread.is_alive()
+    assert not client._link._thread.thread.is_alive()
 
 
 @pytest.mark.timeout(60)
@@ -958,7 +968,7 @@ def test_submit_snapshots_tensor_frames_that_a_reader_sends_later(client):
     queues a snapshot, so changing the array after submit returns changes nothing sent."""
     reader = threading.Thread(target=client.call, args=({"sleep": 0.6},), kwargs={"timeout": 30})
     reader.start()
-    assert wait_until(lambda: client._conn.polling, 5)  # the reader sleeps in poll, holding the socket
+    assert wait_until(lambda: client._link.dealer.polling, 5)  # the reader sleeps in poll, holding the socket
     arrays = [np.arange(1000, dtype=np.int32) + i for i in range(5)]  # 4 KB: frames, not shared memory
     futures = [client.submit({"x": a}) for a in arrays]
     for a in arrays:

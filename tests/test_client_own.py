@@ -1,5 +1,5 @@
-"""``Replies.own``: a lone caller answers its own plain reply at once, and leaves every other reply
-to ``Replies.handle`` untouched (runtime.client.connection's ``exchange`` relies on both)."""
+"""``Dealer._own``: a lone caller answers its own plain reply at once, and leaves every other reply
+to ``Awaited.handle`` untouched (runtime.link.dealer's ``read`` relies on both)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ import msgpack
 import numpy as np
 import pytest
 
-from runtime.client.errors import InvalidRequestError
-from runtime.client.replies import Pending, Replies, complete
+from runtime.client import server_errors
+from runtime.client.server_errors import InvalidRequestError
 from runtime.core.futures import Slot
+from runtime.link.awaited import Request
+from runtime.link.link import Link, LinkOptions
+from runtime.link.link_thread import LinkThread
 from runtime.link.client_protocol import PROTOCOL_VERSION, SUBMIT_REPLY_PREFIX
 from runtime.transport.protocol import PayloadEncoder, pack_header
 
@@ -20,12 +23,35 @@ pytestmark = pytest.mark.timeout(30)
 RESULT = {"actions": [0.5, -1.0], "note": "ok"}
 
 
-def _waiting(request_id: int = 8) -> tuple[Replies, Slot]:
-    replies = Replies("ipc:///nonexistent/phyrt.sock", "numpy", shm=False)
-    slot = Slot()
-    slot.request_id = request_id
-    replies.add(request_id, Pending(slot, "submit", time.monotonic()))
-    return replies, slot
+class _Own:
+    """A link (to no server) with one submit in flight, answered by hand: ``own`` and ``handle``."""
+
+    def __init__(self, link: Link) -> None:
+        self.link, self.awaited = link, link.awaited
+        self.pending = link.awaited.table.table
+        self.last_heard = link.awaited.last_heard
+
+    def own(self, head: bytes, slot: Slot) -> bool:
+        return self.link.dealer._own(head, slot, leave=False)
+
+    def handle(self, head: bytes, frames: list, done: list) -> None:
+        self.awaited.handle(head, frames, done)
+
+
+@pytest.fixture
+def _waiting():
+    links: list[Link] = []
+
+    def waiting(request_id: int = 8) -> tuple[_Own, Slot]:
+        links.append(Link("ipc:///nonexistent/phyrt.sock", LinkOptions(), server_errors, LinkThread("test-link")))
+        slot = Slot()
+        slot.request_id = request_id
+        links[-1].awaited.table.add(Request(request_id, slot, "submit", time.monotonic()))
+        return _Own(links[-1]), slot
+
+    yield waiting
+    for link in links:
+        link.close()
 
 
 def _reply(request_id: int = 8, result=RESULT, **extra) -> bytes:
@@ -33,13 +59,13 @@ def _reply(request_id: int = 8, result=RESULT, **extra) -> bytes:
     return PayloadEncoder(copy=True).pack_message(header, "result")
 
 
-def test_its_own_plain_reply_answers_the_slot_and_leaves_nothing_pending():
+def test_its_own_plain_reply_answers_the_slot_and_leaves_nothing_pending(_waiting):
     replies, slot = _waiting()
     before = replies.last_heard
     assert replies.own(_reply(), slot)
     assert slot.done() and slot.result(0) == RESULT
-    assert not replies.pending and not replies.awaiting()
-    assert replies.last_heard >= before
+    assert not replies.pending and not replies.awaited.table.table
+    assert replies.awaited.last_heard >= before
 
 
 @pytest.mark.parametrize("reply", [
@@ -53,13 +79,13 @@ def test_its_own_plain_reply_answers_the_slot_and_leaves_nothing_pending():
                  "result": {"t": msgpack.Timestamp(1, 0)}}),  # handle() refuses Timestamps
     SUBMIT_REPLY_PREFIX + b"\x08\xa2ok\xc3\xa2ok\xc3",  # five fields, a key twice, no result
 ], ids=["error", "inputs-held", "other-id", "truncated", "not-a-submit", "timestamp", "duplicate-key"])
-def test_any_other_reply_is_left_to_handle_untouched(reply):
+def test_any_other_reply_is_left_to_handle_untouched(_waiting, reply):
     replies, slot = _waiting()
     assert not replies.own(reply, slot)
     assert not slot.done() and 8 in replies.pending
 
 
-def test_a_reply_carrying_a_tensor_is_left_to_handle_which_answers_it():
+def test_a_reply_carrying_a_tensor_is_left_to_handle_which_answers_it(_waiting):
     replies, slot = _waiting()
     encoder = PayloadEncoder(copy=True)
     head = encoder.pack_message({"v": PROTOCOL_VERSION, "op": "submit", "id": 8, "ok": True,
@@ -67,25 +93,24 @@ def test_a_reply_carrying_a_tensor_is_left_to_handle_which_answers_it():
     assert not replies.own(head, slot) and 8 in replies.pending
     done: list = []
     replies.handle(head, encoder.frames, done)
-    complete(done)
+    replies.awaited.complete(done)
     assert np.array_equal(slot.result(0)["x"], np.arange(4, dtype=np.float32))
 
 
-def test_a_reply_to_a_request_failed_here_already_goes_to_handle():
+def test_a_reply_to_a_request_failed_here_already_goes_to_handle(_waiting):
     replies, slot = _waiting()
-    with replies.lock:
-        del replies.pending[8]  # as a heartbeat time-out does: handle() frees what the server held
+    assert replies.awaited.table.claim(8) is not None  # as a heartbeat time-out does: handle() frees what the server held
     assert not replies.own(_reply(), slot)
     assert not slot.done()
 
 
-def test_an_error_reply_declined_by_own_fails_the_call_through_handle():
+def test_an_error_reply_declined_by_own_fails_the_call_through_handle(_waiting):
     replies, slot = _waiting()
     head = pack_header({"v": PROTOCOL_VERSION, "op": "submit", "id": 8, "ok": False,
                         "error": {"type": "InvalidRequest", "message": "bad"}})
     assert not replies.own(head, slot)
     done: list = []
     replies.handle(head, [], done)
-    complete(done)
+    replies.awaited.complete(done)
     with pytest.raises(InvalidRequestError, match="^bad$"):
         slot.result(0)

@@ -166,7 +166,7 @@ def test_a_same_host_client_sends_its_empty_array_without_a_copy(peek_server, tm
         del x
         gc.collect()
         assert client.empty(N).ctypes.data == where  # reused once dropped and answered
-        run_id = client._replies.session.run_id
+        run_id = client._link.session.run_id
     assert not [n for n in os.listdir(SHM_DIR) if n.startswith(f"phyrt-{run_id}-")]
 
 

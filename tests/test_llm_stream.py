@@ -158,7 +158,7 @@ def test_qwen3_cancel_mid_stream_frees_the_kv_blocks(where, request):
     assert result["finish_reasons"] == ["length"] and len(result["token_ids"][0]) == FULL
     if where == "inline":
         bm = engine._dispatcher.executors[0]._core.runner.scheduler.block_manager
-        assert len(bm._free) == bm.num_blocks
+        assert bm.num_free == bm.num_blocks
 
 
 def test_qwen3_stream_that_ended_in_time_is_read_whole_after_its_deadline(inline):
@@ -277,6 +277,7 @@ def test_a_killed_rank_ends_every_stream_with_the_typed_error(model_dir, tmp_pat
 def test_a_chunk_the_client_does_not_take_cancels_the_stream_with_overloaded():
     """The server keeps no chunk: one that cannot be sent (the client's queue is full) cancels the
     stream in the runner, and the stream's final reply is an Overloaded error."""
+    from runtime.link.listener import Responder
     from runtime.serving.handlers import MessageHandler
     from runtime.transport.protocol import pack_header
 
@@ -289,7 +290,7 @@ def test_a_chunk_the_client_does_not_take_cancels_the_stream_with_overloaded():
         return True
 
     with Engine(EngineArgs(plugin="tests.stream_plugins:Ticker")) as engine:
-        handler = MessageHandler(engine, "ipc:///nonexistent/phyrt.sock", send)
+        handler = MessageHandler(engine, Responder("ipc:///nonexistent/phyrt.sock", send))
         try:
             before = len(stream_plugins.cancelled)
             handler.handle(b"peer", [pack_header({"v": 1, "op": "stream", "id": 5,
@@ -303,21 +304,23 @@ def test_a_chunk_the_client_does_not_take_cancels_the_stream_with_overloaded():
 
 
 def test_the_client_ends_a_stream_whose_chunks_have_a_gap():
-    from runtime.client.replies import Pending, Replies, complete
-    from runtime.client.streams import ClientStream
+    from runtime.client import server_errors
+    from runtime.client.client import ClientStream
+    from runtime.link.awaited import Awaited, Request
+    from runtime.link.session import ShmSessions
     from runtime.transport.protocol import pack_header
 
-    replies = Replies("ipc:///nonexistent", "numpy", False)
+    replies = Awaited("ipc:///nonexistent", "numpy", ShmSessions(False, 0, list.append), server_errors)
     stream = ClientStream("ipc:///nonexistent", 5.0)
     future: Future = Future()
-    replies.add(3, Pending(future, "submit", time.monotonic(), stream=stream.state))
+    replies.table.add(Request(3, future, "submit", time.monotonic(), stream=stream.state))
     stream.start(future, lambda: None)
     done: list = []
     for seq in (0, 2):  # chunk 1 went missing
         replies.handle(pack_header({"v": 1, "op": "stream", "id": 3, "ok": True, "result": {"x": seq}, "seq": seq}),
                        [], done)
-    complete(done)
+    replies.complete(done)
     assert next(stream) == {"x": 0}
     with pytest.raises(ServerError, match="chunk 2 came where 1 was due"):
         next(stream)
-    assert 3 not in replies.pending
+    assert 3 not in replies.table

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from runtime import EngineUnavailableError
-from tests.conftest import (WatchedLock, close_engine, group_pids, inbox_connected, pid_alive, polls, start_engine,
+from tests.conftest import (WatchedLock, close_engine, group_pids, pid_alive, polls, start_engine,
                             supervisor_of, wait_until)
 from tests.plugins import mark_files
 
@@ -104,10 +104,8 @@ def test_a_submit_racing_a_one_rank_groups_death_neither_blocks_nor_is_lost():
             stalled = submit_to(engine, witness, {"op": "sleep", "s": 0.2})
             assert wait_until(stalled.done, 30) and stalled.result()["replica"] == witness
             assert busy.contended.wait(10), "the I/O thread did not stall on the lock"
-            assert inbox_connected(engine, victim, 0)
             os.kill(pid, signal.SIGKILL)
-            assert wait_until(lambda: not pid_alive(pid), 10)
-            assert wait_until(lambda: not inbox_connected(engine, victim, 0), 10)  # libzmq dropped it
+            assert wait_until(lambda: not pid_alive(pid), 10)  # its ring has no reader left
             assert engine.replicas[victim].healthy, "the group failed before the submit: no race"
             caller = threading.Thread(target=submit, daemon=True)
             caller.start()

@@ -243,7 +243,9 @@ class FakeClient:
         self.alive = True
         self.sent: list[Any] = []
         self.closed = False
-        self._replies = SimpleNamespace(server_id="id-" + address, last_heard=time.monotonic(), unreachable=None)
+        state = SimpleNamespace(server_id="id-" + address, last_heard=time.monotonic(), unreachable=None)
+        self._replies = state  # what rotation reads: client._link.awaited
+        self._link = SimpleNamespace(awaited=state)
         self.made[address] = self
         threading.Thread(target=self._beat, daemon=True).start()
 

@@ -25,11 +25,14 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.client.errors import InvalidRequestError
-from runtime.client.replies import Pending, Replies, complete
+from runtime.client.server_errors import InvalidRequestError
+from runtime.client import server_errors
+from runtime.link.awaited import Awaited, Request
+from runtime.link.session import ShmSessions
 from runtime.link import client_protocol as cp
 from runtime.link.client_protocol import (HEADER_FIELDS, HEARTBEAT, PROTOCOL_VERSION, SUBMIT_REPLY_PREFIX,
                                           control_header, submit_message)
+from runtime.link.listener import Responder
 from runtime.serving.handlers import MessageHandler
 from runtime.transport.protocol import PayloadEncoder, pack_header
 
@@ -113,7 +116,7 @@ def server():
         return True
 
     engine = StandInEngine()
-    handler = MessageHandler(engine, "ipc:///nonexistent/phyrt.sock", send)
+    handler = MessageHandler(engine, Responder("ipc:///nonexistent/phyrt.sock", send))
     try:
         yield handler, engine, sent
     finally:
@@ -144,12 +147,12 @@ def test_the_servers_error_reply_is_the_pages_bytes(server):
 
 def _client_reads(frames: list[bytes]) -> Future:
     """The Python client's reply handling, given the reply to its submit 8."""
-    replies = Replies("ipc:///nonexistent/phyrt.sock", "numpy", shm=False)
+    replies = Awaited("ipc:///nonexistent/phyrt.sock", "numpy", ShmSessions(False, 0, list.append), server_errors)
     future: Future = Future()
-    replies.add(8, Pending(future, "submit", time.monotonic()))
+    replies.table.add(Request(8, future, "submit", time.monotonic()))
     done: list = []
     replies.handle(frames[0], frames[1:], done)
-    complete(done)
+    replies.complete(done)
     return future
 
 

@@ -349,17 +349,18 @@ def test_ranks_agree_whatever_order_requests_arrive_in(ckpt, tmp_path):
     results = {request_id: result for request_id, result in leader["log"]}
     assert results["a"]["token_ids"] == [want[:6]] and results["b"]["token_ids"] == [want[:6]]
     assert results["c"]["token_ids"] == [want[:1]] and results["y"]["token_ids"] == [want]
-    assert sorted(request_id for request_id, _ in leader["log"]) == ["a", "b", "c", "y"]
-    # the follower answers each id exactly once, without a result
-    assert sorted(follower["log"]) == [["a", None], ["b", None], ["c", None], ["y", None]]
-    assert follower["early"] == ["c"] and leader["steps"] == follower["steps"]
+    assert results["d"] is None  # the stream the leader dropped
+    assert sorted(request_id for request_id, _ in leader["log"]) == ["a", "b", "c", "d", "y"]
+    # the follower answers nothing (the leader's rank does), and steps exactly as often as the leader
+    assert follower["log"] == [] and leader["steps"] == follower["steps"]
+    assert leader["unfinished"] is False and follower["unfinished"] is False
 
 
 def _rank_main() -> None:
     """One rank of ``test_ranks_agree_whatever_order_requests_arrive_in``: the serve loop by hand."""
-    from models.qwen3 import Qwen3Entry, runner as runner_module
+    from models.qwen3 import Qwen3Entry, rank_model
     from runtime import parallel as P
-    from runtime.core.plugins import BuildContext
+    from runtime.core.plugins import BuildContext, Partial
     from tests.ranks import finish, init_gloo, rank_args
 
     (model,), rank, world, port, out = rank_args(1)
@@ -368,15 +369,18 @@ def _rank_main() -> None:
     ctx = BuildContext(rank=rank, world_size=world, replica_index=0, device=torch.device("cpu"), target="cpu",
                        params_dtype=torch.float32, parallel=TP2)
     runner = Qwen3Entry().build(ctx, {"model": model})
-    runner_module.PLAN_BYTES = 96  # most plans take the two-broadcast path; a bare "done" list does not
+    rank_model.PLAN_BYTES = 96  # most plans take the two-broadcast path; a model-free one does not
     log: list = []
 
     def request(max_tokens: int) -> dict:
         return {"prompt_token_ids": [1, 2, 3], "max_tokens": max_tokens}
 
+    def step() -> None:
+        log.extend(done for done in runner.step() if not isinstance(done[1], Partial))
+
     def drain() -> None:
         while runner.has_unfinished():
-            log.extend(runner.step())
+            step()
 
     # "a" reaches the leader first: it steps (and waits in the broadcast) before the follower has it
     if rank == 1:
@@ -388,17 +392,25 @@ def _rank_main() -> None:
         time.sleep(0.5)
     runner.add("b", request(6))
     drain()
-    # "c" (one token) finishes and is announced while the follower still lacks it
+    # "c" (one token) finishes while the follower still lacks it
     runner.add("y", request(8))
     if rank == 0:
         runner.add("c", request(1))
     else:
         for _ in range(4):
-            log.extend(runner.step())
-        early = sorted(runner._early)
+            step()
         runner.add("c", request(1))
     drain()
-    result = {"log": log, "steps": runner.num_steps, "early": early if rank else None}
+    # "d" is a stream the leader drops after a step: a follower holds nothing to cancel
+    if rank == 0:
+        runner.add_stream("d", request(8))
+        step()
+        runner.cancel("d")
+    else:
+        runner.add("d", request(8))
+        step()
+    drain()
+    result = {"log": log, "steps": runner.num_steps, "unfinished": runner.has_unfinished()}
     finish(out, rank, result)
 
 

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.layers import attention as attention_module
 from models.layers.attention import flash_attention_status
-from models.qwen3.runner import Batch
+from models.qwen3.rank_model import Batch
 from models.qwen3.static_decode import StaticDecoder, capture_sizes, capture_widths, cuda_graph_status
 from runtime import (DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig, WorkerSupervisorConfig)
 from tests.test_qwen3_model import BLOCK, PROMPTS, Pages, load, make_checkpoint

@@ -375,23 +375,23 @@ def inline_server(tmp_path, monkeypatch):
     """A ``Server`` over an inline ``tests.plugins:Echo`` engine, in this process, with every
     reply it sends recorded as (thread name, header) in ``sent``, and the op of every
     well-formed message it received in ``ops`` (its metrics)."""
-    import runtime.serving.loop as loop_module
+    import runtime.serving.server as loop_module
     from runtime import Engine, EngineArgs
     from runtime.serving.metrics import NullMetrics
-    from runtime.serving.router import ServerSocket
+    from runtime.link.listener import Listener
     from runtime.serving.server import Server
     from bench.fuzz import reply_fields
 
     # a message left unread would wait for the next housekeeping: make that wait unmissable
     monkeypatch.setattr(loop_module, "_HOUSEKEEPING_S", 30.0)
     sent: list[tuple[str, dict]] = []
-    send = ServerSocket.send
+    send = Listener.send
 
     def recording_send(self, identity, header, frames=()):
         sent.append((threading.current_thread().name, dict(reply_fields(header))))
         return send(self, identity, header, frames)
 
-    monkeypatch.setattr(ServerSocket, "send", recording_send)
+    monkeypatch.setattr(Listener, "send", recording_send)
 
     class RecordingMetrics(NullMetrics):
         on = True  # it records: the server calls it
@@ -542,7 +542,7 @@ def test_answered_requests_with_a_long_timeout_are_not_kept_until_it(inline_serv
     than the server's slack of answered requests alive."""
     import gc
 
-    from runtime.serving.requests import Request
+    from runtime.serving.outcomes import Request
 
     with Client(inline_server.address) as client:
         for i in range(1000):

@@ -22,7 +22,7 @@ import pytest
 
 from runtime import DeviceConfig, Engine, EngineArgs, EngineConfig
 from runtime.client import AsyncClient, Client
-from runtime.client.errors import DeadlineExceededError
+from runtime.client.server_errors import DeadlineExceededError
 from runtime.serving.server import Server
 from tests.conftest import wait_until
 from tests.stream_plugins import Pace
@@ -194,7 +194,7 @@ def test_async_client_stream_whose_producer_stalls_raises_at_the_deadline_and_is
 
 
 def test_client_stream_fed_by_hand_keeps_what_came_in_time_and_cancels_at_a_late_chunk():
-    from runtime.client.streams import ClientStream
+    from runtime.client.client import ClientStream
 
     cancels: list[str] = []
     ended = ClientStream("ipc:///nonexistent", 0.2)

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from runtime.client.errors import DeadlineExceededError
+from runtime.client.server_errors import DeadlineExceededError
 from runtime.client.gate import ObservationGate
 
 pytestmark = pytest.mark.timeout(30)

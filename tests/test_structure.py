@@ -40,14 +40,8 @@ PUBLIC_NAMES_ONLY = ("bench", "examples")
 #: file names that every package folder may have
 SHARED_FILE_NAMES = {"__init__.py", "__main__.py"}
 #: the only other file names that two product modules share, and the modules sharing each.
-#: issue 33: merged by stages S5-S7 (docs/dev/link-plan.md): client/replies.py by S5, serving/replies.py
-#: by S7, both shm.py into one ShmSession by S6; client/errors.py (beside core/errors.py) is rewritten
-#: with the client by S5 and named server_errors.py by S11. Remove an entry when its stage lands.
-SAME_NAME_FOR_NOW = {
-    "replies.py": {"runtime/client/replies.py", "runtime/serving/replies.py"},
-    "shm.py": {"runtime/client/shm.py", "runtime/serving/shm.py"},
-    "errors.py": {"runtime/client/errors.py", "runtime/core/errors.py"},
-}
+#: issue 33 (docs/dev/link-plan.md): none left; client/errors.py is client/server_errors.py since S5.
+SAME_NAME_FOR_NOW: dict[str, set[str]] = {}
 
 
 @pytest.fixture(scope="module")

@@ -41,17 +41,17 @@ def _wait_for_io_thread(before: dict[str, int]) -> dict[str, int]:
 
 @linux_only
 def test_with_phyrt_io_batch_1_a_server_io_thread_is_a_batch_thread(monkeypatch, tmp_path):
-    from runtime.serving.router import ServerSocket
+    from runtime.link.listener import Listener
 
     monkeypatch.setenv("PHYRT_IO_BATCH", "1")
     assert zmq_context.batch_usable()
     before = _io_thread_policies()
-    server = ServerSocket(f"ipc://{tmp_path}/s.sock", 1 << 20, None, lambda: True)
+    server = Listener(f"ipc://{tmp_path}/s.sock", 1 << 20, None, lambda: True)
     try:
         assert set(_wait_for_io_thread(before).values()) == {os.SCHED_BATCH}
     finally:
         server.close(0)
-    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the probe changed its own thread, not this one
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the probe ran here and gave the policy back
 
 
 @linux_only

@@ -1,8 +1,9 @@
 """The rank process of a local replica: ``main(bootstrap)`` is its entry point.
 
     supervisor (engine process)                       this rank
-    PUSH ipc://RUN_DIR/in-R-r ------- requests ------->  PULL  main thread: serve loop
-    ROUTER ipc://RUN_DIR/ctl  <------ DEALER "c-R-r" ---  main thread: ready, done; <- free, shutdown
+    BroadcastWriter /dev/shm/phyrt-RUN-PID-SEQ ---->  BroadcastReader  main thread: serve loop
+      (requests, cancels, frees, shutdown; once)        (runtime.link.broadcast)
+    ROUTER ipc://RUN_DIR/ctl  <------ DEALER "c-R-r" ---  main thread: ready; done, partial (output rank)
     ROUTER ipc://RUN_DIR/hb   <------ DEALER "h-R-r" ---  heartbeat thread: "hb" every interval
     engine's spawn thread     ------- exits/dies ------>  kernel: SIGKILL (PR_SET_PDEATHSIG)
 
@@ -24,13 +25,18 @@ pairs; on cuda the ``cpu_group``) on loopback too, whatever the host name resolv
 to. NCCL keeps its defaults (on one host its data goes through shm/p2p; its
 bootstrap sockets follow ``NCCL_SOCKET_IFNAME``).
 
-Serve: every rank of the replica receives every request of its replica in the
-same order (the supervisor sends each request to every rank's inbox under one
-lock, and ZMQ keeps per-connection order),
-so all ranks enter the plugin's collectives together. Each rank answers "done" for
-each request; the output rank's "done" carries the result. A plugin exception is
-reported as data and, because ranks that share collectives cannot resume
-mid-request, the supervisor then takes the group down.
+Serve: every rank of the replica reads every message of its replica from the one broadcast
+ring, in the same order, so all ranks enter the plugin's collectives together. Only the output
+rank (rank 0) answers: "done" for each request (with its result, or its error) and "partial" for
+each stream chunk. The other ranks send nothing per request but "done" {ok: false} when their
+plugin raises; because ranks that share collectives cannot resume mid-request, the supervisor
+then takes the group down. Non-output ranks have no result arena.
+
+Release: a rank tells the ring it is done with a message (``BroadcastReader.release``, in
+order): an executing runner after ``run``, a stepped one after ``add``, a control message at
+once. The engine frees a request's arena blocks once the output rank answered and every rank
+released it, so a stepped plugin must not keep request tensors on a non-output rank past the
+output rank's answer.
 
 Executing runners stay in lock step by construction (same requests, same order,
 one at a time). A stepped runner admits whatever has arrived before each step,
@@ -39,10 +45,13 @@ collectives must agree on each step's batch itself (rank 0 decides and
 broadcasts it on ``P.cpu_group()``).
 
 Streams: a "request" with ``stream: true`` is admitted as a stream (``EngineCore.add``); a
-"cancel" {id} behind it on the same inbox reaches the runner's ``cancel``. The output rank
-sends each ``Partial`` chunk as "partial" {id, chunk} before the request's "done"; the other
-ranks drop theirs. An executing runner runs one request at a time: a "cancel" it reads is
-dropped (the request it names ran already).
+"cancel" {id} behind it on the ring reaches the runner's ``cancel``. The output rank sends each
+``Partial`` chunk as "partial" {id, chunk} before the request's "done"; the other ranks drop
+theirs. An executing runner runs one request at a time: a "cancel" it reads is dropped (the
+request it names ran already).
+
+Shutdown: "shutdown" is the ring's last message, and the engine closes the ring with it; a
+rank sees the ring closed ahead of any request still queued in it, and stops.
 
 The heartbeat thread has its own socket (ZMQ sockets are not thread-safe) and
 keeps beating while the main thread is inside a forward pass (torch releases the
@@ -57,7 +66,6 @@ engine, not the terminal's Ctrl-C, decides when a rank stops) and names the proc
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
 import sys
@@ -71,14 +79,12 @@ import zmq
 
 from runtime.core.plugins import Partial
 from runtime.link import rank_protocol as rp
+from runtime.link.broadcast import CLOSED, FLAG_CONTROL, BroadcastReader
 from runtime.transport import wire
 from runtime.transport.arena import ShmArena, ShmMapper
-from runtime.transport.spin import Spinner
 
 #: inline tensors up to this size; larger CPU tensors go through shared memory
 INLINE_LIMIT = 64 * 1024
-#: a plain int: ``getsockopt(EVENTS) & zmq.POLLIN`` would build an enum member on every call
-_POLLIN = int(zmq.POLLIN)
 
 
 class _Heartbeat:
@@ -117,29 +123,25 @@ def main(bootstrap: bytes) -> None:
     ctl.setsockopt(zmq.LINGER, 0)
     ctl.setsockopt(zmq.IDENTITY, f"c-{replica}-{rank}".encode())
     ctl.connect(boot["address"])
-    inbox = ctx.socket(zmq.PULL)
-    inbox.setsockopt(zmq.LINGER, 0)
-    inbox.connect(boot["inbox"])
     heartbeat = _Heartbeat(ctx, boot["heartbeats"], f"h-{replica}-{rank}".encode(), boot["heartbeat_interval_s"])
-    arena = mapper = core = None
+    arena = mapper = core = ring = None
     code = 0
     try:
         try:
-            core, arena, mapper = _start(boot)
+            core, arena, mapper, ring = _start(boot)
         except BaseException as exc:
             ctl.send(wire.pack_message(rp.STARTUP_ERROR, rank, **rp.error_fields(exc)))
             code = 1
             return
-        ctl.send(wire.pack_message(rp.READY, rank, segments=arena.segments))
-        _serve(ctl, inbox, core, arena, mapper, boot)
+        ctl.send(wire.pack_message(rp.READY, rank, segments=arena.segments if arena is not None else []))
+        _serve(ctl, ring, core, arena, decoder=wire.TensorDecoder(mapper=mapper, allow_cuda_ipc=boot["target"] == "cuda"))
     except BaseException:
         traceback.print_exc()  # the supervisor sees the exit; the text goes to the log
         code = 1
     finally:
         heartbeat.stop()
-        _shutdown(core, arena, mapper)
+        _shutdown(core, arena, mapper, ring)
         ctl.close(0)
-        inbox.close(0)
         ctx.term()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -180,11 +182,15 @@ def _start(boot: dict[str, Any]):
     ctx = make_context(config, rank=rank, world_size=world, replica_index=boot["replica_index"],
                        device_index=boot["device"])
     core = EngineCore(entry, boot["plugin_args"], ctx)
-    arena = ShmArena(boot["run_id"], boot["arena_bytes"])
+    # only the output rank answers with results: only it needs a result arena
+    arena = ShmArena(boot["run_id"], boot["arena_bytes"]) if rank == 0 else None
     mapper = ShmMapper(boot["run_id"])
     for segment in boot["premap"]:  # map the supervisor's first segment now, so its name can go
         mapper.view(segment, 0, 0)
-    return core, arena, mapper
+    # mapped before "ready": the supervisor unlinks its name once every rank is ready
+    ring = BroadcastReader(boot["run_id"], boot["ring"], rank, boot["ring_nonce"], spin_ns=boot["spin_ns"],
+                           mapper=mapper)
+    return core, arena, mapper, ring
 
 
 def _rendezvous_place(boot: dict[str, Any]) -> str:
@@ -238,85 +244,74 @@ def _timedelta(seconds: float):
     return datetime.timedelta(seconds=seconds)
 
 
-def _serve(ctl: zmq.Socket, inbox: zmq.Socket, core: Any, arena: ShmArena, mapper: ShmMapper,
-           boot: dict[str, Any]) -> None:
-    is_output = boot["rank"] == 0
-    decoder = wire.TensorDecoder(mapper=mapper, allow_cuda_ipc=boot["target"] == "cuda")
-    encoder = wire.TensorEncoder(allocator=arena, inline_threshold=INLINE_LIMIT)
-    # ctl first: a shutdown is seen before the requests queued with it
-    poll_items = [(ctl, _POLLIN), (inbox, _POLLIN)]
+def _serve(ctl: zmq.Socket, ring: BroadcastReader, core: Any, arena: ShmArena | None, decoder: Any) -> None:
+    """Read the ring until it closes (or says "shutdown"): admit, run or step, and answer."""
+    is_output = arena is not None
+    encoder = wire.TensorEncoder(allocator=arena, inline_threshold=INLINE_LIMIT) if is_output else None
     batching = core.batching
-    spinner = Spinner(boot["spin_ns"])  # after an answer: look for the next request before sleeping
-    served = False
-    poll_now = functools.partial(zmq.zmq_poll, poll_items, 0)
+    served = False  # after an answer: look for the next request a moment before sleeping
     while True:
-        # Block for messages only while the runner has something to advance (an executing
-        # one never has: it runs each request as it is taken). The poll is level-triggered:
-        # what is still queued after this pass shows in the next one.
-        done: list = []
-        events = None
-        if batching and core.has_unfinished():
-            events = zmq.zmq_poll(poll_items, 0)
-        else:
-            if served:
-                events = spinner.wait(poll_now, zmq.zmq_poll, poll_items, -1)
-            else:
-                events = zmq.zmq_poll(poll_items, -1)
+        # Block for messages only while the runner has nothing to advance (an executing one
+        # never has: it runs each request as it is taken).
+        stepping = batching and core.has_unfinished()
+        got = ring.recv(0 if stepping else None, spin=served)
         served = False
-        for sock, _ in events:
-            if sock is ctl:
-                while True:
-                    msg = wire.unpack_message(ctl.recv(), expected_types=rp.CONTROL)
-                    if msg["type"] == rp.SHUTDOWN:
-                        return
-                    for segment, offset in msg["blocks"]:
-                        arena.free(segment, offset)
-                    if not ctl.getsockopt(zmq.EVENTS) & _POLLIN:
-                        break
+        done: list = []
+        while got is not None:
+            if got is CLOSED:
+                return
+            seq, flags, data = got
+            if flags & FLAG_CONTROL:
+                msg = wire.unpack_message(data, expected_types=rp.CONTROL)
+                ring.release(seq)
+                if msg["type"] == rp.SHUTDOWN:
+                    return
+                for segment, offset in msg["blocks"] if is_output else ():
+                    arena.free(segment, offset)
             elif batching:  # admit whatever has arrived, then step once
-                while True:
-                    # a copy: cheaper than a zmq.Frame for the small message a request mostly is
-                    msg = wire.unpack_message(inbox.recv(), expected_types=rp.INBOX, tensor_decoder=decoder)
-                    if msg["type"] == rp.CANCEL:
-                        core.cancel(msg["id"])
-                    else:
-                        core.add(msg["id"], msg["payload"], msg.get("stream") is True)
-                    if not inbox.getsockopt(zmq.EVENTS) & _POLLIN:
-                        break
-            else:  # one at a time: the rest stay queued in the socket
-                msg = wire.unpack_message(inbox.recv(), expected_types=rp.INBOX, tensor_decoder=decoder)
+                msg = wire.unpack_message(data, expected_types=rp.INBOX, tensor_decoder=decoder)
+                if msg["type"] == rp.CANCEL:
+                    core.cancel(msg["id"])
+                else:
+                    core.add(msg["id"], msg["payload"], msg.get("stream") is True)
+                ring.release(seq)  # its tensors stay valid until the output rank answers (the rule)
+            else:  # one at a time: the rest stay in the ring
+                msg = wire.unpack_message(data, expected_types=rp.INBOX, tensor_decoder=decoder)
                 if msg["type"] == rp.REQUEST:
                     done = core.run(msg["id"], msg["payload"])
+                ring.release(seq)
+                if done:
+                    break
+            got = ring.recv(0)
         if batching:
             done = core.step()
         if done:
-            served = _answer(ctl, done, is_output, encoder)
+            served = _answer(ctl, done, encoder)
 
 
-def _answer(ctl: zmq.Socket, done: list, is_output: bool, encoder: wire.TensorEncoder) -> bool:
-    """Send "done" for each completion (the output rank's with its result) and, from the
-    output rank, "partial" for each stream chunk; True when some request was answered."""
-    served = False
+def _answer(ctl: zmq.Socket, done: list, encoder: wire.TensorEncoder | None) -> bool:
+    """From the output rank (``encoder``): "partial" for each stream chunk and "done" for each
+    completion, with its result or error; from another rank only "done" {ok: false} for an
+    error. True when some request completed."""
     for request_id, result, error in done:
         if type(result) is Partial:
-            if is_output:
+            if encoder is not None:
                 ctl.send(wire.pack_message(rp.PARTIAL, request_id, chunk=result.chunk, tensor_encoder=encoder))
             continue
-        if error is None and is_output:
+        if error is None and encoder is not None:
             try:
                 reply = wire.pack_message(rp.DONE, request_id, ok=True, result=result, tensor_encoder=encoder)
             except Exception as exc:  # a result the wire cannot carry fails like the plugin did
                 error = exc
-        elif error is None:
-            reply = wire.pack_message(rp.DONE, request_id, ok=True)
         if error is not None:
             reply = wire.pack_message(rp.DONE, request_id, ok=False, **rp.error_fields(error))
+        elif encoder is None:
+            continue  # a non-output rank's completion: nothing to say
         ctl.send(reply)
-        served = True
-    return served
+    return True
 
 
-def _shutdown(core: Any, arena: ShmArena | None, mapper: ShmMapper | None) -> None:
+def _shutdown(core: Any, arena: ShmArena | None, mapper: ShmMapper | None, ring: BroadcastReader | None) -> None:
     if core is not None:
         try:
             core.close()
@@ -333,3 +328,5 @@ def _shutdown(core: Any, arena: ShmArena | None, mapper: ShmMapper | None) -> No
         mapper.close()
     if arena is not None:
         arena.close()
+    if ring is not None:
+        ring.close()

@@ -2,10 +2,34 @@
 
 ``plugin_args``: ``{"model": DIR, "max_num_seqs": 64, "max_num_batched_tokens": 4096,
 "block_size": 16, "kv_cache_blocks": None, "enforce_eager": False, "static_decode": False,
-"max_seq_len_to_capture": 8192, "packed_weights": True}`` (``kv_cache_blocks`` None: sized
-from free memory, see ``runner``; the next three: the GPU path below; ``packed_weights``:
-on the CPU, fp32 linear layers multiply through oneDNN's prepacked weights,
-``models.layers.packed``, about 1.5 to 2x faster a decode step than ``F.linear``). Request, with exactly one of the
+"max_seq_len_to_capture": 8192, "packed_weights": True, "prefix_caching": True,
+"chunked_prefill": True}`` (``kv_cache_blocks`` None: sized from free memory, see
+``rank_model``; the next three: the GPU path below; ``packed_weights``: on the CPU, fp32
+linear layers multiply through oneDNN's prepacked weights, ``models.layers.packed``, about
+1.5 to 2x faster a decode step than ``F.linear``; the last two: below). Each a bool, an int
+>= 1 or None as shown; a wrong type is a ``TypeError``, an unknown key or a bad value a
+``ValueError``.
+
+Prefix caching and chunked prefill (``models/qwen3/block_manager.py``, ``scheduler.py``):
+
+- ``prefix_caching``: a full KV block is known by a hash chained over its tokens and the
+  blocks before it; a new sequence shares every full block of its prompt already cached and
+  computes only the rest (at least its last token). A block is registered only once full and
+  written by a forward pass, so a cancelled or failed sequence leaves nothing half-written
+  for others; blocks of finished sequences stay reusable until needed (least recently used
+  evicted first). Off: every prompt is computed whole.
+- ``chunked_prefill``: a step carries at most ``max_num_batched_tokens`` tokens; running
+  sequences take one token each (or their next prompt chunk) first, then waiting prompts take
+  chunks of the rest, so that a long prompt is prefilled over several steps while running
+  sequences decode one token every step; a sequence is sampled after its last chunk. Off: a
+  step is a whole-prompt prefill (a prompt longer than the budget runs alone) or a decode.
+
+The leader's ``runner.info()`` reports ``prefix_cache_hit_rate`` (prompt tokens served from
+the cache / prompt tokens admitted), ``prompt_tokens``, ``cached_prompt_tokens``,
+``computed_prompt_tokens``, ``cached_blocks``, ``cache_evictions``, ``prefill_chunks``,
+``num_preemptions`` and the step counters.
+
+Request, with exactly one of the
 three prompt forms::
 
     {"prompt_token_ids": list[int] | list[list[int]],
@@ -41,7 +65,8 @@ bound otherwise (a conversation, or a text with more UTF-8 bytes than the model 
 tokens), loading its own copy of the tokenizer the first time, so that a prompt too long
 after tokenization is refused there and never reaches a rank.
 
-GPU path. Prefill always runs the eager forward. Decode steps:
+GPU path. A step with any prefill (a whole prompt, a chunk, or decodes beside a chunk) runs the
+eager forward. Pure decode steps:
 
 - CUDA graphs (``models/qwen3/static_decode.py``), on when ``cuda_graph_status`` allows:
   a CUDA device, ``enforce_eager`` False, and with tp > 1 NCCL >= 2.9.6 (collectives
@@ -122,6 +147,6 @@ class Qwen3Entry(Entry):
             return self._tokenizer
 
     def build(self, ctx: BuildContext, plugin_args: Any):
-        from models.qwen3.runner import Qwen3Runner
+        from models.qwen3.runner import build_runner
 
-        return Qwen3Runner(ctx, Qwen3Args.parse(plugin_args))
+        return build_runner(ctx, Qwen3Args.parse(plugin_args))

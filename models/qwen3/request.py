@@ -37,6 +37,8 @@ class Qwen3Args:
     static_decode: bool = False
     max_seq_len_to_capture: int = 8192
     packed_weights: bool = True
+    prefix_caching: bool = True
+    chunked_prefill: bool = True
     # read from the checkpoint's config.json (and generation_config.json for EOS)
     vocab_size: int = 0
     max_positions: int = 0
@@ -52,7 +54,8 @@ class Qwen3Args:
         if not isinstance(plugin_args, dict):
             raise TypeError(f"qwen3 plugin_args must be a dict with at least 'model', got {plugin_args!r}")
         known = ("model", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_blocks",
-                 "enforce_eager", "static_decode", "max_seq_len_to_capture", "packed_weights")
+                 "enforce_eager", "static_decode", "max_seq_len_to_capture", "packed_weights", "prefix_caching",
+                 "chunked_prefill")
         unknown = sorted(str(k) for k in plugin_args if k not in known)
         if unknown:
             raise ValueError(f"qwen3 plugin_args has unknown keys {unknown}; known: {list(known)}")
@@ -66,7 +69,7 @@ class Qwen3Args:
                 _int(f"plugin_args[{key!r}]", args[key], 1)
         if args.get("kv_cache_blocks") is not None:
             _int("plugin_args['kv_cache_blocks']", args["kv_cache_blocks"], 1)
-        for key in ("enforce_eager", "static_decode", "packed_weights"):
+        for key in ("enforce_eager", "static_decode", "packed_weights", "prefix_caching", "chunked_prefill"):
             if key in args and not isinstance(args[key], bool):
                 raise TypeError(f"qwen3 plugin_args[{key!r}] must be a bool, got {args[key]!r}")
         path = Path(args["model"])

@@ -1,211 +1,108 @@
-"""The stepped runner of ``qwen3`` on one rank: rank 0 leads, the other ranks follow.
+"""The stepped runner of ``qwen3`` on one rank: rank 0 leads (``Qwen3Runner``), the other
+ranks follow (``Qwen3Follower``); ``build_runner`` picks by rank.
 
     leader (world rank 0)                                  follower (world rank r > 0)
-    add(id, request): parse, queue sequences               add(id, request): remember id as "seen"
-    step():                                                step():  (only while it holds seen ids)
+    add(id, request): parse, queue sequences; added += 1   add(id, request): added += 1
+    step():                                                step():  (while more or added > count)
       schedule -> batch (tokens, positions, slots, ...)
-      plan = msgpack{done: ids, batch}  --P.cpu_broadcast------->  plan
+      plan = msgpack{count, more, batch} --P.cpu_broadcast-->  plan: count, more
       forward(batch)            <------ tp collectives ------>     forward(batch)
-      compute_logits -> sample                                     compute_logits (returns None)
-      finished requests -> results, ids into the next "done"       ids of plan.done -> (id, None)
+      compute_logits -> sample -> finished requests                returns [] (the leader answers)
 
-Agreement (what keeps the ranks in lock step although each rank's serve loop
-admits requests when its own copy of them arrives):
+Agreement (what keeps the ranks in lock step although each rank's serve loop admits
+requests when its own copy of them arrives, and a follower keeps no request of its own):
 
-- Only the leader schedules and samples. Every leader step broadcasts exactly one
-  plan with ``P.cpu_broadcast`` and every follower step receives exactly one. The
-  plan carries the model inputs themselves (int64 arrays), so a follower needs no
-  scheduler, no payloads and no copy of any request to run the forward pass.
-- A plan's ``done`` lists the requests the leader finished (or refused) since the
-  previous plan; it is their only way to end on a follower. So the leader keeps
-  stepping while it holds work or ids not yet announced (an extra, model-free step
-  after the last result), and a follower steps while it has seen an id that no plan
-  has announced yet. Every id is delivered to every rank, so a follower that waits
-  for a plan waits on a leader that holds (or will receive) that id and will step,
-  and a leader that broadcasts does so for an id every follower will see and step for.
-- A request that reaches the leader first is scheduled at once; a follower that
-  has not seen it yet blocks in its serve loop until its copy arrives and then
-  receives the waiting plan. A request that reaches a follower first makes it wait
-  in ``step`` until the leader gets its copy and steps. A follower may even learn
-  from a plan that a request finished before its own copy arrives; the id is kept
-  as "early" and answered (without a collective) as soon as it is added.
+- Only the leader schedules and samples. Every leader step broadcasts exactly one plan
+  with ``P.cpu_broadcast`` and every follower step receives exactly one. The plan carries
+  the model inputs themselves (int64 arrays), so a follower needs no scheduler, no payload
+  and no copy of any request to run the forward pass.
+- Every rank receives every request of its replica exactly once, in the same order, so
+  each rank counts the requests it added (refused ones included). A plan carries
+  ``count``, how many the leader had added when it stepped, and ``more``: whether the
+  leader will step again without new input (a batch ran, or its scheduler holds work).
+- The leader steps while its scheduler holds work, a refusal is to report, ``more`` was
+  promised, or it added requests no plan has counted yet. A follower steps while ``more``
+  was promised or it added requests the last plan had not counted: each such request
+  reaches the leader too, which then steps for it. So both sides step the same number of
+  times: after the last batch the leader owes one model-free step (``more`` False).
+- A request that reaches the leader first is scheduled at once; a follower that has not
+  received it yet blocks in its serve loop until its copy arrives and then receives the
+  waiting plan. A request that reaches a follower first makes it wait in ``step`` until
+  the leader gets its copy and steps. A cancel changes nothing on a follower: the leader
+  drops the stream and its next plan simply leaves it out.
 - A plan is one broadcast of a fixed ``PLAN_BYTES`` buffer (an 8-byte length, then
   msgpack), plus a second broadcast of the remainder only when a plan is longer.
   No pickle. In inline mode (``runtime.parallel`` not initialized) nothing is sent.
 
-KV cache: ``kv_cache_blocks`` blocks per rank, or, when None, what fits in a share
-of free memory (``KV_CACHE_MEMORY_FRACTION`` of free CUDA memory on the device
-after loading, or of available host memory divided among the ranks on CPU), capped
-at what ``max_num_seqs`` sequences of ``max_position_embeddings`` tokens could use;
-the count is agreed with an all_reduce MIN over the world so that every rank holds
-the same blocks. With the static decode on, the cache holds one more block, the
-padding block (``num_blocks``), which no sequence owns.
-
-Decode steps (see ``models/qwen3/static_decode.py``): with CUDA graphs on
-(``cuda_graph_status``: a CUDA device, not ``enforce_eager``, and NCCL >= 2.9.6 when
-tp > 1) or ``static_decode=True``, a decode step that fits the captured shapes runs
-on static buffers, padded to the next captured batch size: replayed from a CUDA graph,
-or run eagerly where graphs are off. Every other step (prefill, or a decode that does
-not fit) runs the eager forward below. Each rank picks the same path and shape from
-the same plan. The reasons (graphs, attention kernel) are logged once by rank 0 on
-"phyrt.qwen3" and kept in ``cuda_graphs``/``attention_backend``.
+The model, its KV cache and the decode paths are ``models/qwen3/rank_model.py``'s.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import numpy as np
-import torch
 
-from models.qwen3.request import Qwen3Args, parse_request
-from models.qwen3.text import add_text, load_tokenizer, tokenize
-from models.qwen3.token_streams import TokenStreams, drop_sequences
 from models.qwen3.block_manager import BlockManager
+from models.qwen3.rank_model import Batch, RankModel, broadcast_plan
+from models.qwen3.request import Qwen3Args, parse_request
 from models.qwen3.sampler import sample
 from models.qwen3.scheduler import Scheduler
 from models.qwen3.sequence import Sequence
-from runtime import parallel as P
+from models.qwen3.text import add_text, load_tokenizer, tokenize
+from models.qwen3.token_streams import TokenStreams, drop_sequences
 from runtime import BuildContext
-
-#: size of the one broadcast that carries a typical plan (longer plans take two)
-PLAN_BYTES = 16384
-#: share of free memory the KV cache takes when ``kv_cache_blocks`` is None
-KV_CACHE_MEMORY_FRACTION = {"cuda": 0.8, "cpu": 0.2}
-log = logging.getLogger("phyrt.qwen3")
-_ARRAYS = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "context_lens", "block_tables")
+from runtime import parallel as P
 
 
-@dataclass
-class Batch:
-    """One forward pass's inputs, identical on every rank; int64 arrays."""
-
-    is_prefill: bool
-    input_ids: np.ndarray      # [T] the new tokens of all sequences, sequence after sequence
-    positions: np.ndarray      # [T]
-    slot_mapping: np.ndarray   # [T] KV-cache slot each new token is written to
-    cu_seqlens_q: np.ndarray   # [B+1] offsets of each sequence's new tokens
-    context_lens: np.ndarray   # [B] tokens in each sequence's cache after this step
-    block_tables: np.ndarray   # [B, max_blocks], -1 padded
-
-    def pack(self) -> dict[str, Any]:
-        return {"prefill": self.is_prefill, **{k: getattr(self, k).tobytes() for k in _ARRAYS}}
-
-    @classmethod
-    def unpack(cls, plan: dict[str, Any]) -> "Batch":
-        arrays = {k: np.frombuffer(plan[k], dtype=np.int64).copy() for k in _ARRAYS}
-        arrays["block_tables"] = arrays["block_tables"].reshape(len(arrays["context_lens"]), -1)
-        return cls(is_prefill=plan["prefill"], **arrays)
+def build_runner(ctx: BuildContext, args: Qwen3Args) -> "Qwen3Runner | Qwen3Follower":
+    """The leader's runner on world rank 0 (and inline), a follower's on every other rank."""
+    return Qwen3Runner(ctx, args) if P.rank("world") == 0 else Qwen3Follower(ctx, args)
 
 
-class Qwen3Runner:
-    """add/step/has_unfinished for one rank (see the module docstring)."""
+class Qwen3Runner(RankModel):
+    """The leader: add/add_stream/cancel/step/has_unfinished (see the module docstring)."""
 
     def __init__(self, ctx: BuildContext, args: Qwen3Args) -> None:
-        from models.layers.attention import flash_attention_status
-        from models.qwen3.static_decode import StaticDecoder, cuda_graph_status
-
-        self.args = args
-        self.device = torch.device(ctx.device)
-        dtype = ctx.params_dtype
-        self.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).removeprefix("torch."))
-        self.distributed = P.size("world") > 1
-        self.leader = P.rank("world") == 0
-        self.model, self.packed_layers = _load_model(args, self.dtype, self.device)
-        flash, self.attention_backend = flash_attention_status(self.device, self.dtype, args.block_size)
-        if not flash:
-            self.attention_backend = f"torch SDPA ({self.attention_backend})"
-        backend = None
-        if self.distributed:
-            import torch.distributed as dist
-
-            backend = dist.get_backend()
-        graphs, self.cuda_graphs = cuda_graph_status(self.device, enforce_eager=args.enforce_eager,
-                                                     world_size=P.size("world"), backend=backend)
-        static = graphs or args.static_decode
-        self.num_blocks = self._allocate_kv_cache(ctx.target, padding_block=static)
-        self.decoder = None
-        if static:
-            self.decoder = StaticDecoder(
-                self.model, block_size=args.block_size, padding_block=self.num_blocks,
-                max_num_seqs=args.max_num_seqs, max_len=min(args.max_seq_len_to_capture, args.max_positions),
-                flash=flash, use_graphs=graphs)
-            if graphs:
-                self.cuda_graphs += (f", decode batch sizes {self.decoder.sizes} x block-table widths "
-                                     f"{self.decoder.widths} captured")
-        if self.leader:
-            decode = ("CUDA graphs" if graphs else "static buffers, run eagerly (static_decode=True)" if static
-                      else "eager")
-            log.log(logging.WARNING if self.device.type == "cuda" and not graphs and not args.enforce_eager
-                    else logging.INFO, "qwen3: CUDA graphs %s; decode: %s; attention: %s; linear layers: %s",
-                    self.cuda_graphs, decode, self.attention_backend,
-                    f"{self.packed_layers} oneDNN-packed" if self.packed_layers else "F.linear")
-        # counters for inspection: steps run, decode steps on the static buffers, most sequences in one step
-        self.num_steps = 0
-        self.num_static_steps = 0
-        self.max_batch_seqs = 0
-        if self.leader:
-            self.tokenizer = load_tokenizer(args.model)  # None: token ids only
-            bm = BlockManager(self.num_blocks, args.block_size)
-            self.scheduler = Scheduler(bm, args.max_num_seqs, args.max_num_batched_tokens, args.eos_ids)
-            self._requests: dict[Any, list[Sequence]] = {}
-            self._refused: list[tuple[Any, BaseException]] = []
-            self._announce: list[Any] = []  # finished ids the followers have not been told of
-            self._streams = TokenStreams()  # requests submitted as streams (models/qwen3/token_streams.py)
-        else:
-            self._seen: set[Any] = set()   # added here, not yet announced by the leader
-            self._early: set[Any] = set()  # announced by the leader before this rank's copy came
-            self._acks: list[Any] = []     # announced and seen: answered by the next step
+        super().__init__(ctx, args)
+        self.tokenizer = load_tokenizer(args.model)  # None: token ids only
+        bm = BlockManager(self.num_blocks, args.block_size, prefix_caching=args.prefix_caching)
+        self.scheduler = Scheduler(bm, args.max_num_seqs, args.max_num_batched_tokens, args.eos_ids,
+                                   chunked_prefill=args.chunked_prefill)
+        self._requests: dict[Any, list[Sequence]] = {}
+        self._refused: list[tuple[Any, BaseException | None]] = []
+        self._streams = TokenStreams()  # requests submitted as streams (models/qwen3/token_streams.py)
+        self._added = 0  # requests added (refused ones too): the followers count the same
+        self._counted = 0  # ``_added`` when the last plan went out
+        self._owes = False  # the last plan promised another step ("more")
 
     @property
     def num_preemptions(self) -> int:
-        return self.scheduler.num_preemptions if self.leader else 0
+        return self.scheduler.num_preemptions
 
-    # -- setup ---------------------------------------------------------------------
-
-    def _allocate_kv_cache(self, target: str, padding_block: bool = False) -> int:
-        layers = self.model.attention_layers()
-        block_shape = self.model.kv_cache_shape(1, self.args.block_size)
-        block_bytes = 2 * len(layers) * math.prod(block_shape) * self.dtype.itemsize
-        num_blocks = self.args.kv_cache_blocks
-        if num_blocks is None:
-            if target == "cuda":
-                free = torch.cuda.mem_get_info(self.device)[0]
-            else:
-                import psutil
-
-                free = psutil.virtual_memory().available // P.size("world")  # the ranks share the host
-            useful = self.args.max_num_seqs * math.ceil(self.args.max_positions / self.args.block_size)
-            num_blocks = max(1, min(useful, int(free * KV_CACHE_MEMORY_FRACTION[target]) // block_bytes))
-        agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
-        num_blocks = int(P.all_reduce(agreed, "world", op="min").item())
-        shape = self.model.kv_cache_shape(num_blocks + padding_block, self.args.block_size)
-        cache = torch.zeros(2, len(layers), *shape, dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
-        self.kv_cache = cache
-        return num_blocks
-
-    # -- the stepped-runner interface ----------------------------------------------
+    def info(self) -> dict[str, Any]:
+        """Counters for inspection: the prefix cache, chunked prefill, preemptions, steps."""
+        s, bm = self.scheduler, self.scheduler.block_manager
+        return {"prefix_caching": bm.prefix_caching, "chunked_prefill": s.chunked_prefill,
+                "max_num_batched_tokens": s.max_num_batched_tokens,
+                "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "prompt_tokens": s.prompt_tokens,
+                "cached_prompt_tokens": s.cached_prompt_tokens,
+                "computed_prompt_tokens": s.prompt_tokens - s.cached_prompt_tokens,
+                "cached_blocks": bm.num_cached_blocks, "cache_evictions": bm.num_evictions,
+                "prefill_chunks": s.prefill_chunks, "num_preemptions": s.num_preemptions,
+                "kv_cache_blocks": bm.num_blocks, "free_blocks": bm.num_free, "num_steps": self.num_steps,
+                "num_static_steps": self.num_static_steps, "cuda_graphs": self.cuda_graphs,
+                "attention_backend": self.attention_backend}
 
     def add(self, request_id: Any, request: Any) -> None:
-        if not self.leader:
-            if request_id in self._early:
-                self._early.discard(request_id)
-                self._acks.append(request_id)
-            else:
-                self._seen.add(request_id)
-            return
+        self._added += 1
         try:
             prompts, params = parse_request(request, self.args)
             prompts = tokenize(self.tokenizer, prompts, params.max_tokens, self.args)
             seqs = [Sequence(request_id, i, prompt, params) for i, prompt in enumerate(prompts)]
             self.scheduler.add(seqs)
-        except Exception as exc:  # refused: reported by the next step, and announced
+        except Exception as exc:  # refused: reported by the next step
             self._refused.append((request_id, exc))
             return
         self._requests[request_id] = seqs
@@ -213,40 +110,38 @@ class Qwen3Runner:
     def add_stream(self, request_id: Any, request: Any) -> None:
         """``add``, and each step's new ids (and text) go out as a chunk (``models/qwen3/token_streams.py``)."""
         self.add(request_id, request)
-        if self.leader and request_id in self._requests:
+        if request_id in self._requests:
             self._streams.open(request_id, self._requests[request_id], self.tokenizer)
 
     def cancel(self, request_id: Any) -> None:
         """Drop a stream the caller left: its KV blocks are freed now, and the next step reports
-        it (with no result) and announces it, as a refusal. Followers wait for that announcement."""
-        if not self.leader or request_id not in self._requests:
+        it (with no result), as a refusal."""
+        if request_id not in self._requests:
             return
         drop_sequences(self.scheduler, self._requests.pop(request_id))
         self._streams.drop(request_id)
         self._refused.append((request_id, None))
 
     def has_unfinished(self) -> bool:
-        if self.leader:
-            return self.scheduler.has_unfinished() or bool(self._announce or self._refused)
-        return bool(self._seen or self._acks)
+        busy = self.scheduler.has_unfinished() or bool(self._refused)
+        return busy or self.distributed and (self._owes or self._added > self._counted)
 
     def step(self) -> list[tuple[Any, Any]]:
-        return self._lead() if self.leader else self._follow()
-
-    # -- leader --------------------------------------------------------------------
-
-    def _lead(self) -> list[tuple[Any, Any]]:
         done: list[tuple[Any, Any]] = self._refused
         self._refused = []
         seqs, is_prefill = self.scheduler.schedule()
         batch = self._prepare(seqs, is_prefill) if seqs else None
         if self.distributed:
-            announce = self._announce + [request_id for request_id, _ in done]
-            self._announce = []
-            _broadcast_plan(msgpack.packb({"done": announce, "batch": batch and batch.pack()}, use_bin_type=True))
+            more = batch is not None or self.scheduler.has_unfinished()
+            plan = {"count": self._added, "more": more, "batch": batch and batch.pack()}
+            broadcast_plan(msgpack.packb(plan, use_bin_type=True))
+            self._counted, self._owes = self._added, more
         if batch is None:
             return done
-        tokens = sample(self._forward(batch), seqs)
+        logits = self.forward(batch)
+        sampled = [i for i, seq in enumerate(seqs) if seq.completes_step]  # not mid-prefill
+        rows = logits if len(sampled) == len(seqs) else logits[sampled]
+        tokens = sample(rows, [seqs[i] for i in sampled]) if sampled else []
         for seq in self.scheduler.postprocess(seqs, tokens):
             siblings = self._requests.get(seq.request_id)  # None: a sibling finished it this step
             if siblings is None or not all(s.is_finished for s in siblings):
@@ -258,22 +153,21 @@ class Qwen3Runner:
                 done.append((seq.request_id, add_text({"token_ids": [s.output_ids for s in siblings],
                                                        "finish_reasons": [s.finish_reason for s in siblings]},
                                                       self.tokenizer)))
-            if self.distributed:
-                self._announce.append(seq.request_id)
         if self._streams:
-            done += self._streams.partials(seqs, self._requests)
+            done += self._streams.partials([seqs[i] for i in sampled], self._requests)
         return done
 
     def _prepare(self, seqs: list[Sequence], is_prefill: bool) -> Batch:
+        """The step's inputs: tokens ``num_computed .. num_computed + num_new - 1`` of each sequence."""
         bm = self.scheduler.block_manager
         ids, positions, slots, cu_seqlens, context_lens = [], [], [], [0], []
         for seq in seqs:
-            start = 0 if is_prefill else len(seq) - 1
-            ids += seq.token_ids[start:]
-            positions += range(start, len(seq))
-            slots += bm.slots(seq, start, len(seq))
+            start, end = seq.num_computed, seq.num_computed + seq.num_new
+            ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += bm.slots(seq, start, end)
             cu_seqlens.append(len(ids))
-            context_lens.append(len(seq))
+            context_lens.append(end)
         tables = np.full((len(seqs), max(len(s.block_table) for s in seqs)), -1, dtype=np.int64)
         for row, seq in zip(tables, seqs):
             row[:len(seq.block_table)] = seq.block_table
@@ -283,76 +177,27 @@ class Qwen3Runner:
 
         return Batch(is_prefill, arr(ids), arr(positions), arr(slots), arr(cu_seqlens), arr(context_lens), tables)
 
-    # -- follower ------------------------------------------------------------------
 
-    def _follow(self) -> list[tuple[Any, Any]]:
-        acks, self._acks = self._acks, []
-        if self._seen:  # the leader owes this rank a plan (see the module docstring)
-            plan = msgpack.unpackb(_broadcast_plan(None), raw=False)
-            for request_id in plan["done"]:
-                if request_id in self._seen:
-                    self._seen.discard(request_id)
-                    acks.append(request_id)
-                else:
-                    self._early.add(request_id)
-            if plan["batch"] is not None:
-                self._forward(Batch.unpack(plan["batch"]))
-        return [(request_id, None) for request_id in acks]
+class Qwen3Follower(RankModel):
+    """A follower: runs the forward pass of each plan the leader broadcasts; it holds no request
+    and reports none (the leader's rank answers), so it has no ``cancel``: the engine then keeps
+    no stream ids for it either."""
 
-    # -- every rank ----------------------------------------------------------------
+    def __init__(self, ctx: BuildContext, args: Qwen3Args) -> None:
+        super().__init__(ctx, args)
+        self._added = 0  # requests this rank's serve loop added
+        self._counted = 0  # requests the leader had added at its last plan
+        self._more = False  # the last plan promised another one without new input
 
-    @torch.inference_mode()
-    def _forward(self, batch: Batch) -> torch.Tensor | None:
-        """Run the model on ``batch``; the logits of each sequence's last token on rank 0."""
-        from models.layers.attention import AttentionMetadata
+    def add(self, request_id: Any, request: Any) -> None:
+        self._added += 1
 
-        self.num_steps += 1
-        self.max_batch_seqs = max(self.max_batch_seqs, len(batch.context_lens))
-        if not batch.is_prefill and self.decoder is not None:
-            hidden = self.decoder.run(batch)  # None: the batch does not fit the static shapes
-            if hidden is not None:
-                self.num_static_steps += 1
-                return self.model.compute_logits(hidden)
+    def has_unfinished(self) -> bool:
+        return self._more or self._added > self._counted
 
-        def dev(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(array).to(self.device, non_blocking=True)
-
-        meta = AttentionMetadata(is_prefill=batch.is_prefill, slot_mapping=dev(batch.slot_mapping),
-                                 context_lens=dev(batch.context_lens), block_tables=dev(batch.block_tables),
-                                 cu_seqlens_q=dev(batch.cu_seqlens_q))
-        hidden = self.model(dev(batch.input_ids), dev(batch.positions), meta)
-        return self.model.compute_logits(hidden[dev(batch.cu_seqlens_q[1:] - 1)])
-
-
-def _broadcast_plan(data: bytes | None) -> bytes:
-    """The leader's plan on every rank: the leader passes it, followers pass None. Sent over
-    ``P.cpu_broadcast`` (shared memory when the ranks share a host, else the gloo CPU group)."""
-    head = np.zeros(PLAN_BYTES, dtype=np.uint8)
-    if data is not None:
-        head[:8] = np.frombuffer(len(data).to_bytes(8, "little"), dtype=np.uint8)
-        first = data[:PLAN_BYTES - 8]
-        head[8:8 + len(first)] = np.frombuffer(first, dtype=np.uint8)
-    P.cpu_broadcast(torch.from_numpy(head), src=0)
-    size = int.from_bytes(head[:8].tobytes(), "little")
-    if size <= PLAN_BYTES - 8:
-        return head[8:8 + size].tobytes()
-    rest = np.zeros(size - (PLAN_BYTES - 8), dtype=np.uint8)
-    if data is not None:
-        rest[:] = np.frombuffer(data[PLAN_BYTES - 8:], dtype=np.uint8)
-    P.cpu_broadcast(torch.from_numpy(rest), src=0)
-    return head[8:].tobytes() + rest.tobytes()
-
-
-def _load_model(args: Qwen3Args, dtype: torch.dtype, device: torch.device) -> tuple[Any, int]:
-    """The model with this rank's slices of the checkpoint loaded; on the CPU its linear layers
-    packed for oneDNN unless ``packed_weights`` is False (``models.layers.packed``); how many were."""
-    from models.loader import load_checkpoint, load_config
-    from models.qwen3.model import Qwen3ForCausalLM
-
-    model = Qwen3ForCausalLM(load_config(args.model), dtype, device).eval()
-    load_checkpoint(model, args.model)
-    if not args.packed_weights or device.type != "cpu":
-        return model, 0
-    from models.layers.packed import pack_model
-
-    return model, pack_model(model)
+    def step(self) -> list[tuple[Any, Any]]:
+        plan = msgpack.unpackb(broadcast_plan(None), raw=False)
+        self._counted, self._more = plan["count"], plan["more"]
+        if plan["batch"] is not None:
+            self.forward(Batch.unpack(plan["batch"]))
+        return []

@@ -39,9 +39,14 @@ _ids = itertools.count()
 class Sequence:
     """``token_ids`` = prompt then generated tokens; ``block_table`` = its KV blocks in order.
 
-    Every token but the last is in the KV cache once the sequence has run a step;
-    the last (just sampled) one is the next step's input. A preempted sequence
-    loses its blocks and is prefilled again over all of ``token_ids``.
+    ``num_computed``: the leading tokens whose KV is in the cache (served from the prefix
+    cache, or written by a forward pass); a step computes ``num_new`` more, starting there
+    (a chunk of the prompt, or the one newest token). A decoding sequence holds every token
+    but the last (just sampled) one, the next step's input. ``block_hashes``: the chained
+    hashes of its full blocks, computed as needed (``models/qwen3/block_manager.py``);
+    ``num_committed`` of its blocks are registered for others to reuse. A preempted
+    sequence loses its blocks and is prefilled again over all of ``token_ids`` (minus what
+    the prefix cache still holds).
     """
 
     request_id: object
@@ -52,6 +57,10 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" or "length"
+    num_computed: int = 0
+    num_new: int = 0
+    num_committed: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
@@ -77,6 +86,11 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def completes_step(self) -> bool:
+        """Whether this step's ``num_new`` tokens reach its end: then it is sampled (not mid-prefill)."""
+        return self.num_computed + self.num_new == len(self.token_ids)
 
     @property
     def num_outputs(self) -> int:

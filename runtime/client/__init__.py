@@ -3,20 +3,18 @@ their errors, and ``ObservationGate`` for sensor callbacks.
 
 Needs pyzmq, msgpack and numpy only: nothing here imports torch (see ``client``).
 
-Modules: ``client`` (``Client``: verbs, lifecycle), ``async_client`` (``AsyncClient``),
-``connection`` (the socket, its outbox, reading), ``replies`` (requests in flight, decoding
-replies, shm bookkeeping), ``io_thread`` (fallback reader, heartbeats, monitor),
-``handshake`` (what the socket monitor's events mean), ``routing`` (``RoutingClient``:
-``Client([address, ...])`` over several servers) and ``rotation`` (its choice of server),
-``shm`` (the shm session), ``streams`` (the iterators of ``Client.stream`` and
-``AsyncClient.stream``), ``errors``, ``gate``. What is sent (the headers) is
-``runtime.link.client_protocol``'s.
+Modules: ``client`` (``Client``: verbs, lifecycle; ``ClientStream``), ``async_client``
+(``AsyncClient``, ``AsyncClientStream``), ``routing`` (``RoutingClient``: ``Client([address, ...])``
+over several servers) and ``rotation`` (its choice of server), ``server_errors``, ``gate``. The
+socket, the requests in flight, the reading, the link thread and the shm session are the
+link's: ``runtime.link.link`` (``Link``), ``runtime.link.client_protocol`` says what is sent.
 """
 
 from runtime.client.async_client import AsyncClient
 from runtime.client.client import Client
-from runtime.client.errors import (ConnectionLostError, DeadlineExceededError, HandshakeError, InvalidRequestError,
-                                   OverloadedError, PluginError, ServerError, ServerUnavailableError)
+from runtime.client.server_errors import (ConnectionLostError, DeadlineExceededError, HandshakeError,
+                                          InvalidRequestError, OverloadedError, PluginError, ServerError,
+                                          ServerUnavailableError)
 from runtime.client.gate import ObservationGate
 from runtime.client.routing import RoutingClient
 

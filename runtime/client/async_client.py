@@ -1,4 +1,5 @@
-"""``AsyncClient``: ``Client`` for asyncio, a thin adapter over its ``concurrent.futures`` futures.
+"""``AsyncClient``: ``Client`` for asyncio, a thin adapter over its ``concurrent.futures`` futures;
+``AsyncClientStream``, the iterator of ``AsyncClient.stream``.
 
 Torch-free, like ``Client``.
 
@@ -16,17 +17,17 @@ cancels the Client future, which asks the server to drop the request if still qu
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 import weakref
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, Callable
 
-from runtime.client.client import Client
-from runtime.client.errors import DeadlineExceededError
+from runtime.client.client import Client, StreamState, _Base
 from runtime.client.routing import RoutingClient
-from runtime.client.streams import AsyncClientStream
+from runtime.client.server_errors import DeadlineExceededError
+from runtime.core.chunk_stream import EXPIRED
 
-__all__ = ["AsyncClient"]
+__all__ = ["AsyncClient", "AsyncClientStream"]
 
 
 class AsyncClient:
@@ -68,9 +69,7 @@ class AsyncClient:
             return client._start_stream(payload, timeout, lambda address: AsyncClientStream(address, timeout, loop))
         stream = AsyncClientStream(self.address, timeout, asyncio.get_running_loop())
         future = client._submit(payload, timeout, stream.state)
-        stream.start(future, functools.partial(client._cancel_in_flight, future.request_id))  # type: ignore[attr-defined]
-        client._need_reader()
-        return stream
+        return stream.start(future, client._canceller(future.request_id))  # type: ignore[attr-defined]
 
     async def cancel(self, future: asyncio.Future, timeout: float = 5.0) -> bool:
         """Ask the server to cancel a request from ``submit``; True if it was still queued."""
@@ -95,3 +94,49 @@ class AsyncClient:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
+
+
+class AsyncClientStream(_Base):
+    """``ClientStream`` for asyncio (``AsyncClient.stream``): ``async for``, ``aclose()``; the same
+    ``timeout``. Its deadline is a timer of the loop that puts ``EXPIRED`` into the queue, so
+    chunks the reader handed over before it (through the loop) come out first."""
+
+    def __init__(self, address: str, timeout: float | None, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(address, timeout)
+        self._queue: asyncio.Queue = asyncio.Queue()
+        items = self._queue
+
+        def put(item: Any) -> None:  # the client's reader thread; holds no reference to the stream
+            try:
+                loop.call_soon_threadsafe(items.put_nowait, item)
+            except RuntimeError:  # the loop is closed: nobody iterates any more
+                pass
+
+        self.state = StreamState(self._arrivals(put))
+        self._timer = None if timeout is None else loop.call_later(self._left(), items.put_nowait, EXPIRED)
+
+    def start(self, future: Future, cancel: Callable[[], None]) -> "AsyncClientStream":
+        self._start(future, cancel)
+        return self
+
+    def __aiter__(self) -> "AsyncClientStream":
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._finished:
+            raise StopAsyncIteration
+        return self._item(await self._queue.get())
+
+    def _ended(self) -> None:
+        if self._timer is not None:  # (the loop's thread: the end read, aclose() or the deadline)
+            self._timer.cancel()
+
+    async def aclose(self) -> None:
+        """Leave the stream (cancelled on the server if still running). Idempotent."""
+        self._leave()
+
+    async def __aenter__(self) -> "AsyncClientStream":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self._leave()

@@ -1,37 +1,22 @@
-"""``Client``: the thread-safe light client of ``runtime.serving.server``; its verbs and lifecycle.
+"""``Client``: the thread-safe light client of ``runtime.serving.server``; its verbs, lifecycle and
+``ClientStream`` (the iterator of ``Client.stream``).
 
 Needs pyzmq, msgpack and numpy only: torch is used when the caller hands in torch
-tensors or asks for torch results, never imported here otherwise. The wire, the ops and
-the shared-memory protocol are in ``runtime.transport.protocol``; the errors in
-``runtime.client.errors``; ``AsyncClient`` (asyncio) in ``runtime.client.async_client``.
+tensors or asks for torch results, never imported here otherwise. The client is a thin user of
+its ``runtime.link.link.Link`` (the socket, the requests in flight, the reading, the link thread);
+the errors are ``runtime.client.server_errors``'; ``AsyncClient`` is in ``runtime.client.async_client``.
 
-    caller threads                                                     server (ROUTER)
-    call(p), nobody reading: take the reader role (take_free), encode, Replies.add,
-      Connection.exchange: send now, poll, read ---- [header, *tensor frames] ---->
-      its own plain reply answered at once (Replies.own), any other as read_until does
-    submit(p) / call(p) otherwise: encode (tensors -> frames | shm), Replies.add,
-      Connection.send: the socket free? send now ---- [header, *tensor frames] ---->
-      held by a reader: it sends them (woken through the reader role)
-    call(), ping(), info(), cancel(): ReaderRole.wait(future, timeout, read_until):
-      nobody reads: this thread holds the socket,  <--- [header, *tensor frames] ---
-      polls, reads, completes futures (Replies)
-      somebody reads: sleep on the future, which that reader completes
-    submit() futures with no caller reading: the I/O thread reads (runtime.client.io_thread),
-      and sends heartbeats; a lost connection, a refused handshake or silence -> in-flight requests fail
+    call(p)      Link.call: the caller takes the socket when free, sends and reads until its own
+                 ``Slot`` is done (other replies it reads on the way are completed too)
+    submit(p)    Link.submit: a ``concurrent.futures.Future``, completed by whoever reads (a caller,
+                 or the link's thread "phyrt-client"); ``result()`` only waits
+    stream(p)    Link.submit with a ``StreamState``: chunks go to the stream's queue as read
+    ping/info/cancel: Link.control, then Link.wait (reads while nobody else does)
 
 Why a caller reads: handing each request to an I/O thread and each reply back costs two
 thread switches per round trip (tens of µs each under the GIL on a busy machine). So a
 lone caller's round trip involves no other Python thread of this process, and it polls
 ``budget_ns("client")`` (``runtime.transport.spin``) before it sleeps.
-
-Invariants (each module states its own):
-- Who reads the socket is decided only by the ``ReaderRole`` (one holder; it re-enters, so
-  a completion callback may call this client again from the reader's thread).
-- Every future is a ``concurrent.futures.Future`` (``call``'s, which nobody else sees, a lighter
-  ``runtime.core.futures.Slot``), completed once, with no lock held (but a ``Slot``, which runs no
-  callbacks, by its own caller holding the socket: ``Replies.own``).
-- ``close()`` fails what is in flight, then closes the role (the reader leaves), then the
-  I/O thread closes the socket; the descriptors and the context go once it has ended.
 
 Shared-memory results (ipc://). A result tensor of at least 64 KiB comes back as a *view*
 of the block the server wrote it into, not a copy: a numpy array (or ``torch.from_numpy``
@@ -57,32 +42,26 @@ frames (tcp://, ``shm=False``, small tensors) are copies the caller owns.
 
 from __future__ import annotations
 
-import functools
-import itertools
 import math
+import queue
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from runtime.client.connection import Connection
-from runtime.client.errors import ConnectionLostError, DeadlineExceededError
-from runtime.client.io_thread import IOThread
-from runtime.client.placement import Placement
-from runtime.client.replies import Pending, Replies
+from runtime.client import server_errors
 from runtime.client.routing import RoutingClient
-from runtime.client.shm import ShmSession
-from runtime.client.streams import ClientStream
-from runtime.core.futures import Slot, resolve
-from runtime.link.client_protocol import control_header, plain_submit, submit_message
-from runtime.transport.protocol import DEFAULT_SHM_THRESHOLD
-from runtime.transport.reader import ReaderRole
+from runtime.client.server_errors import ConnectionLostError, DeadlineExceededError
+from runtime.core.chunk_stream import ChunkStream
+from runtime.link.link import Link, LinkOptions
+from runtime.link.link_thread import LinkThread
+from runtime.link.session import ShmSession
 from runtime.transport.arena import sweep_stale
-from runtime.transport.wake_pipe import WakePipe
+from runtime.transport.protocol import DEFAULT_SHM_THRESHOLD
 
-__all__ = ["Client"]
+__all__ = ["Client", "ClientStream", "StreamState"]
 
 
 class Client:
@@ -127,32 +106,11 @@ class Client:
         self.address = address
         shm_on = address.startswith("ipc://") and shm is not False
         self._shm_threshold = shm_threshold
-        self._ids = itertools.count()
         if shm_on:
             sweep_stale()  # names left by phyrt processes that were killed
-        self._replies = Replies(address, tensor_type, shm_on)
-        self._replies.look()
-        wake_io = WakePipe()
-        self._role = ReaderRole(self._replies.awaiting, wake_io.wake, self._replies.lock)
-        try:
-            self._conn = Connection(address, self._replies, self._role, heartbeat_interval_s,
-                                    server_public_key, public_key, secret_key)
-        except BaseException:
-            self._role.dispose()
-            wake_io.close()
-            raise
-        self._read = self._conn.read_until  # bound once: call() allocates no more than it must
-        self._placement = Placement(self._replies, self._conn.outbox, shm_threshold)
-        self._io = IOThread(self._conn, self._replies, self._role, wake_io, heartbeat_interval_s,
-                            heartbeat_timeout_s)
-        try:
-            self._io.start()
-        except BaseException:  # no thread to close the socket: close it here
-            self._conn.shut()
-            self._conn.term()
-            self._role.dispose()
-            wake_io.close()
-            raise
+        options = LinkOptions(tensor_type, shm_on, shm_threshold, heartbeat_interval_s, heartbeat_timeout_s,
+                              server_public_key, public_key, secret_key)
+        self._link = Link(address, options, server_errors, LinkThread("phyrt-client"))
 
     # -- the verbs ---------------------------------------------------------------------
 
@@ -165,42 +123,29 @@ class Client:
         """
         future = self._submit(payload, timeout)
         future.add_done_callback(self._on_future_done)
-        self._need_reader()
         return future
 
     def call(self, payload: Any, timeout: float | None = None) -> Any:
         """``submit(payload, timeout=timeout).result(timeout)``; raises DeadlineExceededError on time-out."""
-        role = self._role
-        reads = role.take_free()  # nobody reads: this thread sends and reads itself
-        try:
-            future, frames = self._prepare(payload, timeout, slot=True)  # nobody else sees it: a Slot
-            deadline = None if timeout is None else time.monotonic() + timeout
-            if reads:
-                self._conn.exchange(future.request_id, frames, future, deadline)
-            else:
-                self._conn.send(future.request_id, frames)
-        finally:
-            if reads:
-                role.leave()
-        if future.done() or role.wait(future, None if deadline is None else deadline - time.monotonic(),
-                                      self._read) or future.done():
-            return future.result()
-        if future.cancel():
-            self._cancel_in_flight(future.request_id)
-        elif not future.cancelled():
-            return future.result()
+        _check_timeout(timeout)
+        self._check_open()
+        slot = self._link.call(payload, timeout)
+        if slot.done():
+            return slot.result()
+        if slot.cancel():
+            self._link.cancel(slot.request_id)
+        elif not slot.cancelled():
+            return slot.result()
         raise DeadlineExceededError.for_request(f"no result within {timeout} s from {self.address}",
-                                                future.request_id) from None
+                                                slot.request_id) from None
 
     def stream(self, payload: Any, timeout: float | None = None) -> ClientStream:
         """Send one request as a stream: an iterator of its chunks as the server's plugin makes
-        them (``runtime.client.streams``); leaving it early cancels the request on the server.
+        them (``ClientStream``, below); leaving it early cancels the request on the server.
         ``timeout`` bounds the whole stream (``DeadlineExceededError``)."""
         stream = ClientStream(self.address, timeout)
         future = self._submit(payload, timeout, stream.state)
-        stream.start(future, functools.partial(self._cancel_in_flight, future.request_id))  # type: ignore[attr-defined]
-        self._need_reader()
-        return stream
+        return stream.start(future, self._canceller(future.request_id))  # type: ignore[attr-defined]
 
     def empty(self, shape: Any, dtype: Any = np.float32) -> np.ndarray:
         """A new, uninitialised array placed where the server reads it: this client's shared
@@ -224,15 +169,15 @@ class Client:
         self._check_open()
         dims = tuple(int(d) for d in dims)
         nbytes = math.prod(dims) * dtype.itemsize
-        if nbytes >= self._shm_threshold and self._replies.wants_shm():
+        if nbytes >= self._shm_threshold and self._link.wants_shm():
             # a new client (or one whose server restarted) has no shared memory yet: the first
             # ping's answer starts the session and sends its registration, which the server
             # answers before the second ping (one connection's messages are handled in order)
             for _ in range(2):
-                if not self._replies.wants_shm():
+                if not self._link.wants_shm():
                     break
                 self.ping()
-        lent = self._placement.lend(nbytes) if nbytes >= self._shm_threshold else None
+        lent = self._link.lend(nbytes) if nbytes >= self._shm_threshold else None
         if lent is None:
             return np.empty(dims, dtype)
         return np.frombuffer(lent, dtype=dtype, count=math.prod(dims)).reshape(dims)
@@ -259,19 +204,7 @@ class Client:
         """Fail what is in flight, stop the I/O thread, release sockets and segments. Idempotent.
 
         Shared-memory results already returned stay valid (their mappings go with them)."""
-        pending = self._replies.close()
-        if pending is None:
-            return
-        for p in pending.values():  # first: a caller reading for one of them then lets go
-            resolve(p.future, error=ConnectionLostError(f"the client of {self.address} was closed"))
-        self._role.close()
-        self._role.leave(hand_on=False)  # closed from a callback run by the reading caller
-        ended = self._io.stop()
-        self._replies.close_session()
-        if ended:
-            self._io.dispose()
-            self._role.dispose()
-            self._conn.term()
+        self._link.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -282,84 +215,122 @@ class Client:
     @property
     def _session(self) -> ShmSession | None:
         """The shared-memory session with the current server instance (None: frames only, or not yet)."""
-        return self._replies.session
+        return self._link.session
 
-    # -- sending -----------------------------------------------------------------------
+    # -- what AsyncClient and RoutingClient use ------------------------------------------
 
     def _submit(self, payload: Any, timeout: float | None, stream: Any = None) -> Future:
-        """Encode and send a submit (a stream op with ``stream``, a ``StreamState``); its future,
-        with ``request_id`` (for ``cancel``)."""
-        future, frames = self._prepare(payload, timeout, stream)
-        self._conn.send(future.request_id, frames)
-        return future
-
-    def _prepare(self, payload: Any, timeout: float | None, stream: Any = None,
-                 slot: bool = False) -> tuple[Any, list[Any]]:
-        """A submit's future, in flight from now on, and the frames to send: a ``Slot`` with
-        ``slot``, for a caller that waits for it itself and hands it to nobody."""
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not 0 < timeout < math.inf):
-            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        """Send a submit (a stream op with ``stream``, a ``StreamState``); its future, with ``request_id``."""
+        _check_timeout(timeout)
         self._check_open()
-        request_id = next(self._ids)
-        session = self._replies.session
-        shm_results = session is not None and session.result_mapper is not None
-        # a plain payload needs no encoder, unless dropped results' blocks are to ride in its header
-        data = plain_submit(request_id, timeout, shm_results, payload, stream is not None) \
-            if session is None or not session.released else None
-        blocks, released, frames = None, None, [data]
-        if data is None:
-            encoder = self._placement.encoder(session)
-            # dropped results' blocks ride in the header: one message for the server to read, not two
-            released = session.take_released() if session is not None and session.released else None
-            try:
-                data = submit_message(encoder, request_id, timeout, shm_results, payload, released, stream is not None)
-            except BaseException:
-                if session is not None:
-                    session.free(encoder.blocks)
-                    if released:  # they ride with a later message
-                        session.give_back(released)
-                raise
-            blocks, frames = encoder.blocks, [data, *encoder.frames]
-        future: Any = Slot() if slot else Future()
-        future.request_id = request_id
-        self._replies.add(request_id, Pending(future, "submit", time.monotonic(), blocks, session, released, stream))
-        return future, frames
+        return self._link.submit(payload, timeout, stream)
 
     def _control(self, op: str, **fields: Any) -> Future:
         """Send a control op (``ping``, ``info``, ``cancel``); its future."""
         self._check_open()
-        request_id = next(self._ids)
-        future: Future = Future()
-        future.request_id = request_id  # type: ignore[attr-defined]
-        self._replies.add(request_id, Pending(future, op, time.monotonic()))
-        self._conn.send(request_id, [control_header(op, request_id, **fields)])
-        return future
+        return self._link.control(op, **fields)
 
     def _control_async(self, op: str) -> Future:
-        """A control op whose future nobody here waits on: the I/O thread reads its reply."""
+        """A control op whose future nobody here waits on: the link's thread reads its reply."""
         future = self._control(op)
-        self._need_reader()
+        self._link.need_reader()
         return future
 
     def _result(self, future: Future, timeout: float | None) -> Any:
-        if not self._role.wait(future, timeout, self._read) and not future.done():
+        if not self._link.wait(future, timeout) and not future.done():
             raise FutureTimeoutError()
         return future.result()
 
     def _check_open(self) -> None:
-        if self._replies.closed:
+        if self._link.awaited.closed:
             raise ConnectionLostError(f"the client of {self.address} is closed")
 
     def _need_reader(self) -> None:
-        """Replies are due: wake the I/O thread to read them unless a thread reads already."""
-        if self._role.holder is None:
-            self._io.wake()
+        """Replies are due: wake the link's thread to read them unless a thread reads already."""
+        self._link.need_reader()
 
     def _on_future_done(self, future: Future) -> None:
-        if future.cancelled() and not self._replies.closed:
-            self._cancel_in_flight(future.request_id)  # type: ignore[attr-defined]
+        if future.cancelled() and not self._link.awaited.closed:
+            self._link.cancel(future.request_id)  # type: ignore[attr-defined]
 
     def _cancel_in_flight(self, request_id: int) -> None:
-        if request_id in self._replies.pending:  # still in flight: ask the server to drop it
-            self._conn.send(None, [control_header("cancel", "cancel", target=request_id)])
+        self._link.cancel(request_id)
+
+    def _canceller(self, request_id: int) -> Callable[[], None]:
+        link = self._link
+        return lambda: link.cancel(request_id)
+
+
+def _check_timeout(timeout: Any) -> None:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 < timeout < math.inf):
+        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+
+
+# -- Client.stream's iterator (AsyncClientStream, in runtime.client.async_client, shares _Base) --
+
+
+class StreamState:
+    """What the reader hands a stream's chunks to: ``deliver(chunk)``, and the next ``seq`` due."""
+
+    __slots__ = ("deliver", "seq")
+
+    def __init__(self, deliver: Callable[[Any], None]) -> None:
+        self.deliver = deliver
+        self.seq = 0
+
+
+class _Base(ChunkStream):
+    """What the sync and async iterators share: ``runtime.core.chunk_stream.ChunkStream``, and the
+    server's address for the deadline's error."""
+
+    def __init__(self, address: str, timeout: float | None) -> None:
+        super().__init__(timeout)
+        self._address = address
+
+    def _expired(self) -> DeadlineExceededError:
+        self._leave()
+        return DeadlineExceededError.for_request(f"the stream did not end within {self._timeout} s from "
+                                                 f"{self._address} (it was cancelled)",
+                                                 getattr(self._future, "request_id", None))
+
+
+class ClientStream(_Base):
+    """The chunks of one request as they come (``Client.stream``): iterate, or ``close()``.
+
+    ``timeout`` bounds the whole stream, from ``stream()`` to its end: the chunks (and the end)
+    received before the deadline are handed out even when read after it; ``next()`` raises
+    ``DeadlineExceededError`` where it would wait past the deadline (or reach a chunk that came
+    after it), and the request is cancelled on the server. A server error ends it with its
+    ``ServerError`` subclass; a lost connection or the client's ``close()`` with
+    ``ConnectionLostError``. Leaving early (``close()``, leaving a ``with`` block, or dropping
+    the iterator) cancels the request on the server.
+    """
+
+    def __init__(self, address: str, timeout: float | None) -> None:
+        super().__init__(address, timeout)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.state = StreamState(self._arrivals(self._queue.put))
+
+    def start(self, future: Future, cancel: Callable[[], None]) -> "ClientStream":
+        self._start(future, cancel)
+        return self
+
+    def __iter__(self) -> "ClientStream":
+        return self
+
+    def __next__(self) -> Any:
+        return self._next_from(self._queue)
+
+    def close(self) -> None:
+        """Leave the stream (cancelled on the server if still running). Idempotent."""
+        self._leave()
+
+    def __enter__(self) -> "ClientStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+Client.stream_type = ClientStream  # type: ignore[attr-defined]  # what RoutingClient.stream makes

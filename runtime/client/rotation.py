@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
-from runtime.client.errors import ServerUnavailableError
+from runtime.client.server_errors import ServerUnavailableError
 
 __all__ = ["DOWN", "PROBE_FIRST_S", "PROBE_MAX_S", "STARTING", "UP", "Rotation", "Server", "serving_cause"]
 
@@ -49,7 +49,7 @@ class Server:
     def __init__(self, address: str, client: Any, now: float) -> None:
         self.address = address
         self.client = client
-        self.cause: str | None = client._replies.unreachable  # why it last left the rotation
+        self.cause: str | None = client._link.awaited.unreachable  # why it last left the rotation
         self.state = STARTING if self.cause is None else DOWN  # no server listens at its ipc:// path: out at once
         self.inflight = 0
         self.epoch = 0  # bumped at each UP
@@ -202,8 +202,8 @@ def connection_lost(client: Any) -> bool:
     """The client's monitor saw its connection drop (or the server refused it) since its last answer.
 
     A single-address client forgets the server's id when that happens and learns it again from
-    the next ping answered (``runtime.client.replies``)."""
-    return client._replies.server_id is None
+    the next ping answered (``runtime.link.awaited``)."""
+    return client._link.awaited.server_id is None
 
 
 def serving_cause(address: str, info: Any) -> str | None:
@@ -218,4 +218,4 @@ def serving_cause(address: str, info: Any) -> str | None:
 
 def silent_s(client: Any, now: float) -> float:
     """Seconds since the client last heard from its server (heartbeats answer every interval)."""
-    return now - client._replies.last_heard
+    return now - client._link.awaited.last_heard

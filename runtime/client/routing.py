@@ -41,9 +41,8 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any, Callable, Sequence
 
-from runtime.client.errors import ServerUnavailableError
+from runtime.client.server_errors import ServerUnavailableError
 from runtime.client.rotation import UP, Rotation, Server, serving_cause
-from runtime.client.streams import ClientStream
 from runtime.core.futures import resolve
 
 __all__ = ["RoutingClient"]
@@ -71,6 +70,7 @@ class RoutingClient:
         interval = client_kwargs.get("heartbeat_interval_s", 1.0)
         timeout = client_kwargs.get("heartbeat_timeout_s", 5.0)
         self._rotation = Rotation(functools.partial(client_class, **client_kwargs), timeout)
+        self._stream_type = getattr(client_class, "stream_type", None)  # Client's: its ClientStream
         self._refresh, self._refresh_interval = refresh, refresh_interval_s
         self._period = min(0.1, interval / 2)
         self._closing = threading.Event()
@@ -123,9 +123,9 @@ class RoutingClient:
         finally:
             self._rotation.release(server, epoch, error)
 
-    def stream(self, payload: Any, timeout: float | None = None) -> ClientStream:
-        """``Client.stream`` on the chosen server: the whole stream goes to that one server."""
-        return self._start_stream(payload, timeout, lambda address: ClientStream(address, timeout))
+    def stream(self, payload: Any, timeout: float | None = None) -> Any:
+        """``Client.stream`` on the chosen server: the whole stream goes to that one server (a ``ClientStream``)."""
+        return self._start_stream(payload, timeout, lambda address: self._stream_type(address, timeout))
 
     def empty(self, shape: Any, dtype: Any = None) -> Any:
         """An ordinary numpy array (``Client.empty`` lends one server's shared memory; a request
@@ -220,9 +220,7 @@ class RoutingClient:
             raise
         future.server = server.address  # type: ignore[attr-defined]
         future.add_done_callback(functools.partial(self._finished, server, epoch))
-        stream.start(future, functools.partial(client._cancel_in_flight, future.request_id))  # type: ignore[attr-defined]
-        client._need_reader()
-        return stream
+        return stream.start(future, client._canceller(future.request_id))  # type: ignore[attr-defined]
 
     # -- internals ---------------------------------------------------------------------
 

@@ -14,6 +14,7 @@
         fingerprints differ      -> RequestMismatchError on every rank; the engine stays usable
         request counters differ  -> EngineUnavailableError on every rank (ids disagree for good)
       core.add(id, request); core.step() until id completed and the core holds nothing
+      (a non-output rank: until the core holds nothing; its runner may report nothing)
       output rank (world rank 0) -> the result; every other rank -> None
 
 Invariants:
@@ -243,10 +244,12 @@ class ExternalExecutor(ReplicaExecutor):
                 prints)
 
     def _run(self, seq: int, request: Any) -> Any:
-        """Drive the core until request ``seq`` finished and the core holds nothing more."""
+        """Drive the core until request ``seq`` finished and the core holds nothing more. A rank other
+        than the output rank may never hear of ``seq``'s end (a runner whose followers report
+        nothing, as qwen3's): there it is done once the core holds nothing unfinished."""
         core = self._core
         core.add(seq, request)  # raises for this request only (the inline executor's rule)
-        finished, result, error = False, None, None
+        finished, result, error = self.rank != 0, None, None
         while not finished or core.has_unfinished():
             if not finished and not core.has_unfinished():
                 reason = (f"the plugin's runner has nothing unfinished but never completed request #{seq}; "

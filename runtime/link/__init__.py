@@ -4,6 +4,9 @@ Torch-free; imports only ``runtime.core`` and ``runtime.transport`` of the proje
 imported by ``runtime.client``, ``runtime.serving``, ``supervisor`` and ``workers``. Importing
 the subpackage loads none of its modules.
 
-So far (stage S1), the messages of each link, defined once:
-``client_protocol`` (client <-> server, docs/protocol.md) and ``rank_protocol`` (engine <-> ranks).
+The messages of each link, defined once: ``client_protocol`` (client <-> server, docs/protocol.md)
+and ``rank_protocol`` (engine <-> ranks). ``pending`` (PendingTable, the one table of requests in
+flight). The client's end (S5): ``link`` (``Link``, ``LinkOptions``), over ``dealer`` (the DEALER, read
+by its caller), ``awaited`` (its requests in flight and what each reply does), ``session`` (its shared
+memory), ``handshake`` (the monitor's verdicts) and ``link_thread`` (``LinkThread``).
 """

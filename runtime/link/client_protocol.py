@@ -104,7 +104,7 @@ OPS = tuple(op.name for op in REQUESTS)
 #: the fields each op may carry besides HEADER_FIELDS; anything else is refused
 OP_FIELDS = {op.name: op.fields for op in REQUESTS}
 HEADER_FIELDS = frozenset({"v", "op", "id"})
-#: the ``error.type`` of an error reply (the clients map them to exceptions: ``runtime.client.errors``)
+#: the ``error.type`` of an error reply (the clients map them to exceptions: ``runtime.client.server_errors``)
 ERROR_TYPES = ("InvalidRequest", "DeadlineExceeded", "Overloaded", "EngineUnavailable", "PluginError", "Cancelled")
 
 #: how every successful submit's reply starts, up to its id: a map of five fields, ``v``, ``op``

@@ -1,14 +1,17 @@
 """The engine<->ranks messages of a local replica, defined once: their types, who sends each on
-which socket, and their fields. ``runtime.transport.wire`` is the codec under them: every message
+which channel, and their fields. ``runtime.transport.wire`` is the codec under them: every message
 is ``wire.pack_message(TYPE, id, **fields)``, one msgpack map ``{"v": 1, "type", "id", **fields}``.
 
 Torch-free; imports only ``runtime.core.errors`` of the project.
 
     engine (supervisor)                                       rank (workers.main)
-    inbox PUSH ipc://RUN/in-R-r  -- REQUEST, CANCEL -------->  PULL            (INBOX)
-    ctl ROUTER ipc://RUN/ctl     -- FREE, SHUTDOWN -------->  DEALER "c-R-r"  (CONTROL)
-                                 <- READY, STARTUP_ERROR,     the main thread  (ANSWERS)
-                                    DONE, PARTIAL ----------
+    BroadcastWriter (runtime.link.broadcast), written once,   BroadcastReader, every rank,
+      read by every rank in the same order:                     the main thread
+        REQUEST, CANCEL ----------------------------------->  "ring"          (INBOX)
+        FREE, SHUTDOWN (written with FLAG_CONTROL) -------->  "ring-control"  (CONTROL)
+    ctl ROUTER ipc://RUN/ctl     <- READY, STARTUP_ERROR,     DEALER "c-R-r", the main thread
+                                    DONE, PARTIAL ----------  (ANSWERS; DONE and PARTIAL from
+                                                              the output rank, but a failed DONE)
     hb ROUTER ipc://RUN/hb       <- HB --------------------  DEALER "h-R-r"  (heartbeat thread)
 
 The call sites keep calling ``wire.pack_message``/``wire.unpack_message`` themselves, with these
@@ -44,8 +47,9 @@ ERROR_FIELDS = ("error_type", "message", "traceback")
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """One message type: its sender ("engine" or "rank"), the socket it travels on ("inbox",
-    "ctl" or "hb"), what its ``id`` is, and its fields besides ``v``, ``type`` and ``id``."""
+    """One message type: its sender ("engine" or "rank"), the channel it travels on ("ring",
+    "ring-control", "ctl" or "hb"), what its ``id`` is, and its fields besides ``v``, ``type``
+    and ``id``."""
 
     type: str
     sender: str
@@ -60,17 +64,19 @@ class Message:
 
 
 MESSAGES = {m.type: m for m in (
-    # a request for every rank of the replica, in the same order; ``stream``: True for a stream
-    Message(REQUEST, "engine", "inbox", "the request's id", ("payload",), ("stream",)),
-    # a stream's cancel, behind its request on the same inbox
-    Message(CANCEL, "engine", "inbox", "the stream's request id"),
-    # result blocks the engine is done with, back to the rank whose arena holds them
-    Message(FREE, "engine", "ctl", "0", ("blocks",)),
-    Message(SHUTDOWN, "engine", "ctl", "0"),
-    # the rank booted; ``segments``: its result arena's segments, for the engine to map
+    # a request for every rank of the replica, in the ring's order; ``stream``: True for a stream
+    Message(REQUEST, "engine", "ring", "the request's id", ("payload",), ("stream",)),
+    # a stream's cancel, behind its request on the ring
+    Message(CANCEL, "engine", "ring", "the stream's request id"),
+    # result blocks the engine is done with, back to the output rank (the only one with a result arena)
+    Message(FREE, "engine", "ring-control", "0", ("blocks",)),
+    # the ring's last message (the engine closes the ring with it: it overtakes queued requests)
+    Message(SHUTDOWN, "engine", "ring-control", "0"),
+    # the rank booted; ``segments``: its result arena's segments (none but the output rank's), to map
     Message(READY, "rank", "ctl", "the rank", ("segments",)),
     Message(STARTUP_ERROR, "rank", "ctl", "the rank", ERROR_FIELDS),
-    # from every rank for every request; the output rank's carries ``result``, a failure ERROR_FIELDS
+    # the output rank's answer to each request (``result``, or ERROR_FIELDS); from another rank
+    # only a failure (ok false, ERROR_FIELDS): non-output ranks answer nothing else
     Message(DONE, "rank", "ctl", "the request's id", ("ok",), ("result", *ERROR_FIELDS)),
     # a stream's chunk, from the output rank only, before the stream's DONE
     Message(PARTIAL, "rank", "ctl", "the request's id", ("chunk",)),
@@ -83,9 +89,9 @@ def _types(sender: str, socket: str) -> frozenset[str]:
     return frozenset(m.type for m in MESSAGES.values() if m.sender == sender and m.socket == socket)
 
 
-#: what a rank reads from its inbox, from the ctl socket, and what the engine reads from the ctl ROUTER
-INBOX = _types("engine", "inbox")
-CONTROL = _types("engine", "ctl")
+#: what a rank reads from the ring (plain and control messages), and what the engine reads from the ctl ROUTER
+INBOX = _types("engine", "ring")
+CONTROL = _types("engine", "ring-control")
 ANSWERS = _types("rank", "ctl")
 
 

@@ -50,17 +50,16 @@ A group is used by one thread at a time, as a gloo group is.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import errno
 import itertools
 import mmap
 import os
 import select
 import time
-from typing import Any
 
 import torch
 
+# SEM_STRIDE and semaphores are shm_setup's too (one binding: runtime.transport.semaphores)
+from runtime.transport.semaphores import SEM_STRIDE, Timespec, semaphores, timed_wait
 from runtime.transport.spin import spin
 
 #: the most ranks a shared-memory group holds (its semaphores fill the 4 KiB header)
@@ -77,36 +76,13 @@ REDUCE_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bf
 _REDUCE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum, "prod": torch.mul}
 #: the header: semaphore sem[r][s] at (r * W + s) * SEM_STRIDE, the creator's nonce in its last bytes
 HEADER_BYTES = 4096
-SEM_STRIDE = 64
 NONCE_BYTES = 16
 #: segment numbers, far above the transport arenas' own, so that the names of one pid never meet
 segment_seq = itertools.count(1 << 32)
-_libc: Any = None
 
 
 class PeerExitedError(RuntimeError):
     """A rank of a shared-memory group exited while this rank waited for it in a collective."""
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-def semaphores() -> Any:
-    """The C library with its sem_* functions typed, or None where there is none."""
-    global _libc
-    if _libc is None:
-        _libc = False
-        try:
-            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            lib.sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
-            for name in ("sem_post", "sem_trywait"):
-                getattr(lib, name).argtypes = [ctypes.c_void_p]
-            lib.sem_timedwait.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Timespec)]
-            _libc = lib
-        except (OSError, AttributeError):
-            pass
-    return _libc or None
 
 
 class ShmGroup:
@@ -210,15 +186,10 @@ class ShmGroup:
         if self._spin_ns and spin(lambda: trywait(sem) == 0, self._spin_ns):
             return
         deadline = time.monotonic() + self._timeout_s
-        when = _Timespec()
+        when = Timespec()
         while True:
-            wake = time.time() + POLL_S
-            when.tv_sec, when.tv_nsec = int(wake), int((wake % 1.0) * 1e9)
-            if self._timedwait(sem, ctypes.byref(when)) == 0:
+            if timed_wait(self._timedwait, sem, when, POLL_S):
                 return
-            err = ctypes.get_errno()
-            if err not in (errno.ETIMEDOUT, errno.EINTR, errno.EAGAIN):
-                raise OSError(err, f"sem_timedwait in a shared-memory collective: {os.strerror(err)}")
             self._check_peers()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"shared-memory collective: group rank {peer} (pid {self.pids[peer]}) did not "

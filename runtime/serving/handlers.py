@@ -1,12 +1,13 @@
 """MessageHandler: what the server does with one client message, without a socket or threads of its own.
 
-Imports ``runtime.serving`` (requests, replies, shm, metrics), ``runtime.link.client_protocol``
-(what each op may carry, its checks and its replies), ``runtime.transport.protocol`` and
-``runtime.core.errors`` of the project.
+Imports ``runtime.serving`` (outcomes, metrics), ``runtime.link`` (client_protocol: what each op
+may carry, its checks and its replies; listener: the requests in flight and the peers' shared
+memory), ``runtime.transport.protocol`` and ``runtime.core.errors`` of the project.
 
     handle(identity, [header, *tensor frames], turn)
       header: decoded one frame at a time, lengths bounded by the frame; op, id and fields checked
       submit  -> limits, tensors resolved (frames: read-only views; shm: the sender's own segments)
+                 -> a Request in the pending table (link.pending, keyed (identity, id))
                  -> idle inline engine and a ``turn``: IdleRunner.run here (turn.hand_over first)
                  -> else engine.submit; Replies.on_done sends the reply from the engine's thread
       stream  -> as submit, then engine.submit_stream: Replies.chunk sends each chunk from the
@@ -22,15 +23,15 @@ Invariants:
   references are checked against the frames and against the segments that very
   connection registered, and the plugin's ``validate_request`` runs before queueing.
   Nothing a message holds escapes ``handle`` as an exception (a server bug aside).
-- ``max_inflight`` counts requests the engine still holds, answered or not (``requests``).
+- ``max_inflight`` counts requests the engine still holds, answered or not (the pending table).
 - Engine calls return at once (``Engine.submit`` validates and queues); the one that
   runs the plugin here (``IdleRunner.run``) calls ``turn.hand_over()`` first, so that
   the socket is read by another thread meanwhile, and ``turn.take_back()`` once the
   plugin returned, before it sends the reply.
-- Shared memory is offered over ipc:// only, per connection (``runtime.serving.shm``).
+- Shared memory is offered over ipc:// only, per connection (``runtime.link.peer_shm``).
 
-Driving it directly (``bench.fuzz`` does): ``MessageHandler(engine, address, send)``, then
-``handle`` messages, ``settle()`` until ``inflight`` is 0, and ``close()``; the engine stays
+Driving it directly (``bench.fuzz`` does): ``MessageHandler(engine, Responder(address, send))``,
+then ``handle`` messages, ``settle()`` until ``inflight`` is 0, and ``close()``; the engine stays
 the caller's.
 """
 
@@ -43,7 +44,7 @@ import secrets
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import msgpack
 import numpy as np
@@ -54,10 +55,10 @@ from runtime.core.errors import EngineUnavailableError, ProtocolError
 from runtime.link.client_protocol import (HEADER_FIELDS, OP_FIELDS, PROTOCOL_VERSION, cancel_result, no_frames,
                                           ping_result, register_fields, register_result, release_blocks,
                                           submit_options)
+from runtime.link.listener import Responder
+from runtime.link.peer_shm import ClientShm, ShmClientsFull
 from runtime.serving.metrics import NullMetrics
-from runtime.serving.replies import Replies, Send
-from runtime.serving.requests import InFlight, Rejected, Request, RunningHere, clip, outcome_of_result, request_tensor
-from runtime.serving.shm import ClientShm, ShmClientsFull, ShmSessions
+from runtime.serving.outcomes import Rejected, Replies, Request, clip, request_tensor
 from runtime.transport.protocol import MAX_TENSOR_FRAMES, TensorResolver, is_request_id, unpack_header
 
 log = logging.getLogger("phyrt.server")
@@ -90,32 +91,36 @@ class ServerOptions:
 
 
 class Turn(Protocol):
-    """The loop a submit run in the reading thread gives up meanwhile (``runtime.serving.loop``)."""
+    """The loop a submit run in the reading thread gives up meanwhile (``runtime.serving.server``):
+    ``lend(req)`` before, ``hand_over()`` as it starts, ``take_back()`` after (True: nobody took
+    the loop meanwhile, so nobody adopted ``req`` into the pending table either)."""
+
+    def lend(self, request: Any) -> None: ...
 
     def hand_over(self) -> None: ...
 
-    def take_back(self) -> None: ...
+    def take_back(self) -> bool: ...
 
 
 class MessageHandler:
-    """Handles the messages ``address`` receives for ``engine``; replies go through ``send``."""
+    """Handles the messages ``link`` receives for ``engine``; replies go through ``link.send``."""
 
-    def __init__(self, engine: Any, address: str, send: Send, options: ServerOptions = ServerOptions(), *,
-                 metrics: Any = None, wake: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, engine: Any, link: Responder, options: ServerOptions = ServerOptions(), *,
+                 metrics: Any = None) -> None:
         self.server_id = secrets.token_hex(8)
-        self.address = address
+        self.address = link.address
         self._engine = engine
         self._options = options
-        self._ipc = address.startswith("ipc://")
+        self._ipc = link.address.startswith("ipc://")
         self._metrics = metrics if metrics is not None else NullMetrics()
         self._metered = getattr(self._metrics, "on", True)
         self._max_header_bytes = options.max_header_bytes
         self._runner = engine.inline_runner()
         self._cancellable = engine.mode == "inline"  # local ranks run whatever they were sent
-        self.requests = InFlight()
-        self.shm = ShmSessions()
+        self.requests = link.pending  # (identity, id) -> Request
+        self.shm = link.peers
         self.accepting = True
-        self.replies = Replies(send, self.requests, self._metrics, self._cancellable, wake)
+        self.replies = Replies(link, self._metrics, self._cancellable)
         self._rejected = 0
         self._last_reject_log = time.monotonic()
         # request tensors are deliberately read-only views of the received frames
@@ -176,7 +181,7 @@ class MessageHandler:
                 client.last_seen = started
             if op == "submit" or op == "stream":
                 self._op_submit(identity, request_id, header, frames[1:], client, bool(refs),
-                                turn if op == "submit" else None, op == "stream")
+                                turn if op == "submit" else None, op == "stream", started)
             else:
                 getattr(self, f"_op_{op}")(identity, request_id, header, frames[1:], client)
         except ProtocolError as exc:
@@ -190,12 +195,14 @@ class MessageHandler:
     # -- submit -------------------------------------------------------------------------
 
     def _op_submit(self, identity: bytes, request_id: Any, header: dict, frames: list, client: ClientShm | None,
-                   tensors: bool, turn: Turn | None, stream: bool = False) -> None:
+                   tensors: bool, turn: Turn | None, stream: bool = False, started: float = 0.0) -> None:
         """``tensors``: the header holds tensor references (False: the payload is plain data);
         ``stream``: a stream op (never run here).
 
-        The result blocks a submit's ``release`` gives back are freed once the request is
-        answered or handed to the engine: a request run here waits for nothing but its run."""
+        The request enters the pending table before the engine sees it (it leaves again if the
+        engine refuses it); one run here enters it only if another thread takes the loop
+        meanwhile (``Turn.lend``). The result blocks a submit's ``release`` gives back are freed
+        once the request is answered or handed to the engine: one run here waits for its run only."""
         timeout_s, shm_results = submit_options(header)
         released = None
         if "release" in header:
@@ -204,17 +211,24 @@ class MessageHandler:
                 raise ProtocolError("release must be a list of at most 4096 [segment, offset] blocks")
         try:
             req, payload = self._admit(identity, request_id, header, frames, client, tensors, timeout_s,
-                                       shm_results)
-            if stream:
-                self._submit_stream(req, payload)
-            elif turn is None or self._runner is None or not self._run_here(req, payload, turn):
-                self._submit(req, payload)
+                                       shm_results, started)
+            if stream or turn is None or self._runner is None or not self._run_here(req, payload, turn):
+                self.requests.add(req)
+                try:
+                    if stream:
+                        self._submit_stream(req, payload)
+                    else:
+                        self._submit(req, payload)
+                except BaseException:
+                    if req.future is None:  # the engine did not take it
+                        self.requests.remove(req)
+                    raise
         finally:
             if released and client is not None:
                 client.release(released, mapped=True)
 
     def _admit(self, identity: bytes, request_id: Any, header: dict, frames: list, client: ClientShm | None,
-               tensors: bool, timeout_s: float | None, shm_results: bool) -> tuple[Request, Any]:
+               tensors: bool, timeout_s: float | None, shm_results: bool, started: float) -> tuple[Request, Any]:
         """The checks before the engine sees a submit; its ``Request`` and decoded payload."""
         if not self.accepting:
             raise Rejected("EngineUnavailable", "the server is shutting down")
@@ -231,8 +245,8 @@ class MessageHandler:
             holds_inputs = bool(resolver.shm_blocks) and self._cancellable
         else:
             payload, holds_inputs = header["payload"], False
-        req = Request(identity, request_id, None, timeout_s, client, shm_results and client is not None,
-                      holds_inputs)
+        req = Request(identity, request_id, client, timeout_s, shm_results and client is not None, holds_inputs,
+                      started)
         return req, payload
 
     def _submit(self, req: Request, payload: Any) -> None:
@@ -243,7 +257,6 @@ class MessageHandler:
         except Exception as exc:  # the plugin's validate_request (or encoding for local ranks) refused it
             raise Rejected("InvalidRequest", f"{type(exc).__name__}: {exc}") from None
         req.future = future
-        self.requests.add(req)
         future.add_done_callback(functools.partial(self.replies.on_done, req))
 
     def _submit_stream(self, req: Request, payload: Any) -> None:
@@ -256,30 +269,22 @@ class MessageHandler:
         req.stream, req.future = call, call.future
         if req.overflow:  # a chunk went unsent before the call was known here
             call.cancel()
-        self.requests.add(req)
         call.future.add_done_callback(functools.partial(self.replies.on_done, req))
 
     def _run_here(self, req: Request, payload: Any, turn: Turn) -> bool:
         """Run ``req`` in this thread if the engine is idle (True: answered, or failing as a
-        submitted request would); the loop is handed over first and taken back after the reply."""
-        running = RunningHere()
-
-        def hand_over() -> None:
-            req.future = running
-            self.requests.add(req)
-            turn.hand_over()
-
+        submitted request would); the loop is handed over first and taken back after the reply.
+        Adopted meanwhile, ``req`` is in the pending table without a future: it cannot be cancelled."""
+        turn.lend(req)
         try:
-            ran, result, error = self._runner.run(payload, hand_over)
+            ran, result, error = self._runner.run(payload, turn.hand_over)
         except Exception as exc:  # the plugin's validate_request refused it
             raise Rejected("InvalidRequest", f"{type(exc).__name__}: {exc}") from None
         if ran:
-            running.finished = True
             # the loop first: a reply sent by the looping thread wakes nobody (a message that came
             # meanwhile is read before it sleeps); sent by a thread that gave the loop up, it wakes
             # the looping thread, which cost a pipe write and read per request under load
-            turn.take_back()
-            self.replies.finish(req, outcome_of_result(req, result, error))  # sends the reply
+            self.replies.finish(req, result, error, ours=turn.take_back())  # sends the reply
         return ran
 
     # -- the other ops ----------------------------------------------------------------------
@@ -290,7 +295,7 @@ class MessageHandler:
         if not is_request_id(target):
             raise ProtocolError(f"cancel needs the target id of a submit, got {target!r}"[:300])
         req = self.requests.get((identity, target))
-        if req is None or req.replied:
+        if req is None or req.claimed:
             outcome = cancel_result(False, f"request {target!r} is not in flight")
         elif req.stream is not None:  # its final reply follows once the runner let go of it
             req.stream.cancel()
@@ -298,7 +303,7 @@ class MessageHandler:
         elif not self._cancellable:
             outcome = cancel_result(False, "requests on local replicas go to their ranks at once and cannot be "
                                            "cancelled")
-        elif req.future.cancel():  # its Cancelled reply follows from the done callback
+        elif req.future is not None and req.future.cancel():  # its Cancelled reply follows from the callback
             outcome = cancel_result(True, "cancelled while queued")
         else:
             outcome = cancel_result(False, "already running")

@@ -48,7 +48,7 @@ from typing import Any
 
 from runtime.core.errors import EngineUnavailableError, ProtocolError, RemoteError
 from runtime.serving.openpi_codec import decode_observation, encode_result, pack_metadata
-from runtime.serving.requests import clip
+from runtime.serving.outcomes import clip
 
 try:
     from websockets.asyncio.server import ServerConnection, serve

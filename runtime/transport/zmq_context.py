@@ -24,14 +24,13 @@ slice instead of preempting them, and a lone caller's round trip went from p90 0
 3.9 ms, p99 4.1 ms to 8.0 ms. So ``PHYRT_IO_BATCH=1`` (``runtime.core.env``) suits a server
 machine that serves many clients and runs little else; a robot's computer, busy with
 perception and planning, keeps the default ordinary threads. Elsewhere than on Linux, or
-where the kernel refuses the policy (probed once per process on a thread of its own:
-libzmq aborts the process if setting it fails), the context is an ordinary one.
+where the kernel refuses the policy (probed once per process on the calling thread, which
+then returns to its ordinary policy: libzmq aborts the process if setting it fails), the context is an ordinary one.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 
 import zmq
 
@@ -50,21 +49,19 @@ def io_context() -> zmq.Context:
 
 
 def batch_usable() -> bool:
-    """Whether threads of this process may switch to ``SCHED_BATCH`` (tried once, on a thread of its own)."""
+    """Whether threads of this process may switch to ``SCHED_BATCH``: tried once, on the calling
+    thread, which then goes back to ``SCHED_OTHER`` (always allowed). A thread on another policy (a
+    real-time one, say, whose return might need a privilege) does not try: no batch then."""
     global _usable
     if _usable is None:
-        found = [False]
-
-        def probe() -> None:
+        _usable = False
+        if hasattr(os, "SCHED_BATCH") and hasattr(zmq, "THREAD_SCHED_POLICY") \
+                and os.sched_getscheduler(0) == os.SCHED_OTHER:
             try:
                 os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-                found[0] = True
-            except (AttributeError, OSError):
+            except OSError:
                 pass
-
-        if hasattr(os, "SCHED_BATCH") and hasattr(zmq, "THREAD_SCHED_POLICY"):
-            thread = threading.Thread(target=probe, name="phyrt-sched-probe", daemon=True)
-            thread.start()
-            thread.join()
-        _usable = found[0]
+            else:
+                _usable = True
+                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
     return _usable

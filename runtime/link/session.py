@@ -1,8 +1,12 @@
-"""A client's shared memory with one server instance (ipc:// only; see runtime.transport.protocol).
+"""A link's shared memory with one peer instance (ipc:// only; see runtime.transport.protocol):
+``ShmSession`` (own arena + the peer's result mapper + releases) and ``ShmSessions`` (the current one,
+and where request tensors go).
 
-Imports only ``runtime.core.errors`` and ``runtime.transport.arena`` from the project; no torch.
+Torch-free: imports ``runtime.core.errors``, ``runtime.transport`` (arena, encoder) and the register
+header of ``runtime.link.client_protocol``. Written for the client's link (``runtime.link.link``); the
+server's per-client map (``runtime.serving.shm``) is meant to adopt ``ShmSession`` later.
 
-    Client (caller threads, under its shm lock)        server
+    Link (caller threads, under ShmSessions.lock)      server
     place(n) -> block of our arena; a new segment  -->  register [segment]  (before the
                must be registered first                 first request that uses it)
     on_registered(result) <-- {result_run_id, mapped}:  map its result arena; unlink
@@ -14,6 +18,14 @@ Imports only ``runtime.core.errors`` and ``runtime.transport.arena`` from the pr
     take_released() -> blocks for a ``release``   -->  free them; unlink a segment's name at
                                                         its first release (we mapped it)
     free(blocks): the server is done with them
+
+    ShmSessions.encoder(session): a PayloadEncoder: a tensor of >= shm_threshold bytes lies in a
+      block ``lend`` gave (Client.empty)? borrowed, sent where it lies; else placed (copied) into
+      a block of the arena; no usable session: frames
+
+Invariant: a segment new to the arena is registered with the server before any request that
+uses it: its ``register`` is posted (the link's FIFO outbox) under ``ShmSessions.lock``, ahead of
+every request that could carry a tensor in it.
 
 A session belongs to one ``server_id``: a restarted server gets a new session, and
 ``close()`` unlinks and unmaps what this one holds. A result view outlives
@@ -28,13 +40,18 @@ finalizers, which may run on any thread at any allocation, so they take no lock)
 from __future__ import annotations
 
 import collections
+import functools
+import os
+import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from runtime.core.errors import ProtocolError
-from runtime.transport.arena import ShmArena, ShmMapper, new_run_id
+from runtime.link.client_protocol import register_header
+from runtime.transport.arena import ShmArena, ShmMapper, new_run_id, sweep_stale
+from runtime.transport.protocol import PayloadEncoder
 
 #: a release carries at most this many blocks (the server ignores a longer list)
 MAX_RELEASE_BLOCKS = 4096
@@ -130,3 +147,93 @@ class ShmSession:
             self.arena.close()
         if self.result_mapper is not None:
             self.result_mapper.close()
+
+
+class ShmSessions:
+    """The session with the current server instance (``current``; None: frames only, or not yet),
+    and where a request's tensors go. ``post(frames)`` queues a message ahead of later requests."""
+
+    def __init__(self, enabled: bool, shm_threshold: int, post: Callable[[list[Any]], None]) -> None:
+        self.enabled = enabled
+        self.shm_threshold = shm_threshold
+        self._post = post
+        self.lock = threading.Lock()  # current, and its arena
+        self.current: ShmSession | None = None
+        self._bound: tuple[Any, Any, Any] = (None, None, None)  # (session, place, borrow), made once a session
+
+    def wants(self) -> bool:
+        """Shared memory is on and not refused, but no usable session exists (yet)."""
+        session = self.current
+        return self.enabled and (session is None or (not session.usable and not session.refused))
+
+    def start(self, server_id: str) -> bytes | None:
+        """A new server instance: a new session (the old one dropped before); its ``register`` to send
+        at once, or None with shared memory off."""
+        if not self.enabled:
+            return None
+        with self.lock:
+            self.current = ShmSession(server_id)
+            return register_header(self.current.run_id, [], pid=os.getpid())
+
+    def registered(self, header: dict[str, Any]) -> bool:
+        """The server's answer to a ``register``; False if it refused shared memory (frames from now on)."""
+        result = header.get("result")
+        with self.lock:
+            session = self.current
+            if session is None or not isinstance(result, dict) or result.get("run_id") != session.run_id:
+                if session is not None and header.get("ok") is not True:
+                    session.refused = True
+                    return False
+                return True
+            session.on_registered(result)
+        return True
+
+    def drop(self, swept: bool = False) -> None:
+        """Close the current session (its views stay valid); ``swept``: also sweep the names a killed
+        server left."""
+        with self.lock:
+            session, self.current = self.current, None
+        if session is not None:
+            session.close()
+            if swept:
+                sweep_stale()
+
+    def encoder(self, session: ShmSession | None) -> PayloadEncoder:
+        """An encoder for one request over ``session`` (None: frames only). Its frames view the
+        caller's arrays: the link sends them at once (zmq copies them), or snapshots them."""
+        if session is None:
+            return PayloadEncoder(copy=False, shm_threshold=self.shm_threshold)
+        bound, place, borrow = self._bound
+        if bound is not session or (borrow is None and session.arena is not None):
+            place = functools.partial(self._place, session)
+            borrow = functools.partial(self._borrow, session) if session.arena is not None else None
+            self._bound = (session, place, borrow)  # one tuple: threads racing here build the same
+        return PayloadEncoder(copy=False, place=place, shm_threshold=self.shm_threshold, borrow=borrow)
+
+    def lend(self, nbytes: int) -> np.ndarray | None:
+        """A lent block of the current session's arena (``Client.empty``); None without a usable session."""
+        with self.lock:
+            session = self.current
+            if session is None or not session.usable:
+                return None
+            segment, offset, holder, new = session.lend(nbytes)
+            if new:
+                self._post([register_header(session.run_id, [segment])])
+        return holder
+
+    def _place(self, session: ShmSession, nbytes: int) -> tuple[str, int, memoryview] | None:
+        """A block of the arena for a request tensor."""
+        with self.lock:
+            if session is not self.current or not session.usable:
+                return None
+            segment, offset, view, new = session.place(nbytes)
+            if new:
+                self._post([register_header(session.run_id, [segment])])
+            return segment, offset, view
+
+    def _borrow(self, session: ShmSession, address: int, nbytes: int) -> tuple[str, int, int] | None:
+        """The lent block (``Client.empty``) a request tensor lies in, held by the request until its reply."""
+        with self.lock:
+            if session is not self.current or not session.usable:
+                return None
+            return session.arena.borrow(address, nbytes)

@@ -1,7 +1,7 @@
 """What a client's socket monitor reports: ``HandshakeWatch`` turns its events into what to do.
 
-Torch-free; imports nothing from the project. libzmq reports each connection to the server
-through the monitor of the client's DEALER (an inproc PAIR, see ``runtime.client.connection``):
+Torch-free; imports ``runtime.transport`` (keys, the I/O context) only; ``open_dealer`` makes the socket. libzmq reports each connection to the server
+through the monitor of the client's DEALER (an inproc PAIR, see ``runtime.link.dealer``):
 
     event                              verdict
     HANDSHAKE_SUCCEEDED                SERVED: the connection carries requests; a refusal that
@@ -22,11 +22,17 @@ is not the server of ``server_public_key``, or it does not authorize this client
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import threading
+from typing import Any, NamedTuple
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-__all__ = ["DROPS_REFUSED", "LOST", "MONITORED", "REFUSED", "SERVED", "HandshakeWatch", "Verdict"]
+from runtime.transport.endpoints import load_key
+from runtime.transport.zmq_context import io_context
+
+__all__ = ["DROPS_REFUSED", "LOST", "MONITORED", "REFUSED", "SERVED", "HandshakeWatch", "Verdict", "open_dealer",
+           "read_verdicts"]
 
 SERVED, LOST, REFUSED = "served", "lost", "refused"
 #: handshakes in a row that the server dropped (no detail) before the client calls it a refusal
@@ -40,7 +46,7 @@ _PROTOCOL = int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
 _AUTH = int(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 #: the events a client's monitor asks for (one or two per connection, none per request)
 MONITORED = _SUCCEEDED | _DISCONNECTED | _NO_DETAIL | _PROTOCOL | _AUTH
-
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 class Verdict(NamedTuple):
@@ -102,3 +108,48 @@ class HandshakeWatch:
             return self._failed(True, f"authentication refused, status {status}: is this client's public key "
                                       "among the server's authorized clients (--curve-authorized-clients)?")
         return self._failed(False, f"authentication refused, status {status}")
+
+
+def open_dealer(address: str, options: Any) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
+    """The context, a DEALER connected to ``address`` (CURVE with ``options``' keys) and its monitor."""
+    ctx = io_context()
+    sock = ctx.socket(zmq.DEALER)
+    monitor = None
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)  # replies are never dropped on this side
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        if options.server_public_key is not None:
+            sock.curve_serverkey = load_key(options.server_public_key, secret=False)
+            own_secret = load_key(options.secret_key, secret=True)
+            if own_secret is None:
+                raise ValueError("CURVE needs this client's secret_key too (public_key is derived from it)")
+            sock.curve_secretkey = own_secret
+            sock.curve_publickey = load_key(options.public_key, secret=False) or zmq.curve_public(own_secret)
+        monitor = sock.get_monitor_socket(MONITORED)
+        sock.connect(address)
+    except BaseException:
+        if monitor is not None:
+            monitor.close(0)
+        sock.close(0)
+        ctx.term()
+        raise
+    return ctx, sock, monitor
+
+
+def read_verdicts(monitor_lock: threading.Lock, owner: Any, watch: HandshakeWatch) -> list[Verdict]:
+    """The verdicts on what ``owner.monitor`` reported since the last look (none once it is None)."""
+    found = []
+    with monitor_lock:
+        monitor = owner.monitor
+        while monitor is not None:
+            try:
+                event = recv_monitor_message(monitor, _NOBLOCK)
+            except zmq.Again:
+                break
+            verdict = watch.on_event(event["event"], event["value"])
+            if verdict is not None:
+                found.append(verdict)
+    return found

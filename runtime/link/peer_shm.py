@@ -1,6 +1,8 @@
-"""The server's shared memory, per connection (ipc:// only; the protocol is in runtime.transport.protocol).
+"""The responder end's shared memory, per peer (ipc:// only; the protocol is in runtime.transport.protocol).
 
-Imports only ``runtime.core.errors`` and ``runtime.transport.arena`` from the project; no torch.
+Torch-free; imports only ``runtime.core.errors`` and ``runtime.transport.arena`` of the project.
+``runtime.link.listener`` keeps one ``ShmSessions`` (the per-peer map); issue 33 S6 merges it with
+the client's session into one ``ShmSession``.
 
     client                                   server I/O thread: ShmSessions
     register run_id, segments, [pid]  --->   register(): one ClientShm per connection
@@ -15,7 +17,8 @@ Imports only ``runtime.core.errors`` and ``runtime.transport.arena`` from the pr
                                                idle and silent past client_timeout_s
 
 Invariants: ``ShmSessions`` is used by the I/O thread only; a ``ClientShm``'s
-result arena is also used from completion threads, under its own lock. A run id
+result arena is also used from completion threads, under its own lock; its ``requests``
+(the connection's requests in flight) change under the pending table's lock. A run id
 belongs to one connection. A client's unreleased result blocks hold at most
 ``RESULT_SHM_LIMIT`` bytes; beyond it, results go as frames. Closing a session
 unlinks and unmaps all it holds.

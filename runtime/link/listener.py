@@ -1,15 +1,23 @@
-"""ServerSocket: the server's ZeroMQ ROUTER, bound here and shared by the threads that reply.
+"""The responder end of a link: ``Listener``, a bound ROUTER whose peers send requests and get replies.
 
-Imports ``runtime.transport`` (protocol, endpoints, wake pipe) of the project.
+Torch-free; imports ``runtime.link`` (pending, peer_shm) and ``runtime.transport`` (protocol,
+endpoints, wake pipe, zmq context) of the project. The server (``runtime.serving``) is its user.
 
-    looping I/O thread:  poll(fd, wake_fd) -> read_batch() -> [(identity, [header, *tensor frames])]
-    any thread:          send(identity, header, frames)     (a reply, never blocking)
-    any thread:          wake()                             (the looping thread's poll returns)
+    Responder(address, send)     the socket-less part: the requests in flight and the peers' shm
+      pending                    PendingTable of PeerEntry by (identity, id): claim-once replies,
+                                   deadlines, each peer's count of requests in flight
+      peers                      ShmSessions: each peer's shared memory (ipc:// only)
+      send(identity, header, frames=()) -> bool;  wake()
+    Listener(address, ...)       a Responder over a ROUTER bound on ``address``:
+      looping thread:            poll(fd, wake_fd) -> read_batch() -> [(identity, [header, *frames])]
+      any thread:                send(...) (never blocking), wake()
 
 Invariants:
+- A reply to a request is sent once: whoever claims its entry (``pending.claim_entry``, or
+  ``pending.expired`` for a deadline) sends it; the loser sends nothing of its own.
 - The ROUTER is used under ``_lock`` only (ZMQ sockets are not thread-safe): the looping
   thread reads and answers there, and the thread that completes a request sends its
-  reply at once, without a hop back to the I/O thread.
+  reply at once, without a hop back to the looping thread.
 - The looping thread sleeps in ``poll`` on the socket's (edge-triggered) ``ZMQ_FD``
   without the lock, and a send may take the signal of a message that came meanwhile: so
   the looping thread's own send sets ``recheck`` (it reads before sleeping), and any other
@@ -18,7 +26,8 @@ Invariants:
   loses its own replies (``send`` answers False), nobody else waits. ``MAXMSGSIZE``
   drops an oversized message and its sender's connection.
 - ``close()`` closes the socket under ``_lock`` (a later reply is dropped), terminates
-  the context, removes an ipc:// socket file, and makes ``wake()`` a no-op.
+  the context, removes an ipc:// socket file, makes ``wake()`` a no-op and closes every
+  peer's shared memory.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ from typing import Any, Callable
 
 import zmq
 
+from runtime.link.peer_shm import ClientShm, ShmSessions
+from runtime.link.pending import Entry, PendingTable
 from runtime.transport.endpoints import CurveKeys
 from runtime.transport.protocol import pack_header
 from runtime.transport.wake_pipe import WakePipe
@@ -46,8 +57,65 @@ _NOBLOCK, _SNDMORE, _POLLIN = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.POLLIN
 #: per look, two looks per request); pyzmq's ``getsockopt`` makes a ``PollEvent`` of it
 _EVENTS = int(zmq.EVENTS)
 
+#: ``send(identity, header, frames=()) -> bool``: ``header`` a dict or its packed bytes; False when
+#: the reply could not be sent
+Send = Callable[..., bool]
 
-class ServerSocket:
+
+class PeerEntry(Entry):
+    """A request of peer ``identity`` in flight, keyed (identity, id); ``peer``: its shm session, if
+    any (counted in ``ClientShm.requests`` while in the table)."""
+
+    __slots__ = ("identity", "id", "peer")
+
+    def __init__(self, identity: bytes, id: Any, peer: ClientShm | None, deadline: float | None) -> None:
+        self.key = (identity, id)  # (Entry's fields set here: one Python frame less per request)
+        self.deadline = deadline
+        self.claimed = False
+        self.identity = identity
+        self.id = id
+        self.peer = peer
+
+
+def _enter(entry: PeerEntry) -> None:
+    if entry.peer is not None:
+        entry.peer.requests += 1
+
+
+def _leave(entry: PeerEntry) -> None:
+    if entry.peer is not None:
+        entry.peer.requests -= 1
+
+
+def _nothing() -> None:
+    pass
+
+
+class Responder:
+    """The requests in flight and the peers' shared memory of one responder end; replies go
+    through ``send`` (a ``Listener``'s socket, or a function of a test or a fuzzer)."""
+
+    def __init__(self, address: str, send: Send | None = None, wake: Callable[[], None] | None = None) -> None:
+        self.address = address
+        if send is not None:  # (a Listener's are its methods)
+            self.send = send
+        if wake is not None:
+            self.wake = wake
+        self.pending: PendingTable[Any] = PendingTable(_enter, _leave)
+        self.peers = ShmSessions()
+
+    def send(self, identity: bytes, header: dict[str, Any] | bytes, frames: Any = ()) -> bool:
+        raise NotImplementedError
+
+    def wake(self) -> None:
+        """Make the looping thread look at what it owes (a no-op without a socket)."""
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Close every peer's shared memory. Idempotent."""
+        self.peers.close()
+
+
+class Listener(Responder):
     """A ROUTER bound on ``address`` (checked by the caller). ``looping_here()`` tells
     whether the calling thread is the one that polls and reads the socket."""
 
@@ -61,8 +129,8 @@ class ServerSocket:
         self._router: Any = None
         self._open = False
         self._wake_pipe: WakePipe | None = None
-        self.address: str | None = None
         self.recheck = False  # the looping thread's own send may have hidden waiting messages from poll
+        bound: str | None = None
         success = False
         try:
             self._router = self._ctx.socket(zmq.ROUTER)
@@ -72,16 +140,18 @@ class ServerSocket:
             if curve is not None:
                 self._serve_curve(curve)
             self._router.bind(address)
-            self.address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+            bound = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
             if self._ipc:
-                os.chmod(self.address[len("ipc://"):], 0o600)
+                os.chmod(bound[len("ipc://"):], 0o600)
             self.fd = self._router.getsockopt(zmq.FD)
             self._open = True
             self._wake_pipe = WakePipe()
             success = True
         finally:
+            self.address = bound
             if not success:
                 self.close(0)
+        super().__init__(bound)
 
     def _serve_curve(self, curve: CurveKeys) -> None:
         from zmq.auth.thread import ThreadAuthenticator
@@ -128,7 +198,7 @@ class ServerSocket:
 
     def send(self, identity: bytes, header: dict[str, Any] | bytes, frames: Any = ()) -> bool:
         """Send without ever blocking; False if the peer is gone or does not read its replies.
-        ``header``: a dict, or its bytes already packed (a submit's reply, ``Outcome.result``)."""
+        ``header``: a dict, or its bytes already packed (a submit's reply)."""
         data = header if type(header) is bytes else pack_header(header)
         sent = False
         with self._lock:
@@ -159,9 +229,10 @@ class ServerSocket:
         """Make the looping thread's ``poll`` return (a no-op once closed)."""
         self._wake_pipe.wake()
 
-    def close(self, linger_ms: int) -> None:
-        """Close the socket (``linger_ms`` for the last replies to reach their clients), the
-        authenticator and the context; remove an ipc:// socket file. Idempotent."""
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the socket (``linger_ms`` for the last replies to reach their peers), the
+        authenticator and the context; remove an ipc:// socket file; close every peer's
+        shared memory. Idempotent."""
         with self._lock:  # a completion that comes later finds the socket closed, and drops its reply
             self._open = False
             if self._router is not None and not self._router.closed:
@@ -177,3 +248,5 @@ class ServerSocket:
                 pass
         if self._wake_pipe is not None:  # a late callback's wake-up is a no-op from now on
             self._wake_pipe.close()
+        if hasattr(self, "peers"):  # (not made when binding failed)
+            self.peers.close()

@@ -1,0 +1,368 @@
+"""``Dealer``: a client link's DEALER socket, used by one thread at a time: the caller that reads.
+
+Torch-free; imports ``runtime.core``, ``runtime.transport`` and ``runtime.link`` only.
+
+    enter(request), socket free: [lock: register + take the socket]; transmit: send at once
+    read(future): poll (spinning budget_ns("client") first), read until ``future`` is done; a Slot's
+      plain reply: [lock: claim + give the socket back] (``_own``); others: ``Awaited.handle``
+    held by another thread: transmit queues to ``outbox`` (waking a holder asleep in poll);
+      wait(future) sleeps on the future, which the reader completes
+    leave(): the socket back; replies still due and nobody reading: the link thread is woken
+
+Invariants:
+- The socket is used by its *holder* only (``holder``, a thread ident, changed under ``lock``, the
+  pending table's): reading and sending both. The outbox is FIFO, so a segment's ``register`` goes
+  out before a request that uses it; a holder flushes before each poll (and after setting
+  ``polling``), and whoever gives the socket back sends what came meanwhile.
+- Nesting: a thread holding the socket (a done callback run by the reader) may send and read as
+  the holder; only the outermost taker gives it back.
+- Tensor frames that view a caller's arrays are sent at once (zmq copies them as they are
+  queued) or, when another thread holds the socket, queued as a snapshot.
+- Released result blocks ride with the next message (a message of their own would wake
+  other threads, which costs a waiting caller its CPU on a busy machine).
+- The monitor is read under ``monitor_lock`` (``watch_monitor``): by the link thread when it fires,
+  and by a sender whose send found no connection to queue on (a refused handshake explains that).
+- ``stopped`` (closed or broken): nobody takes the socket any more; ``shut`` closes it once the
+  last holder left (it was woken through the pipe).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import threading
+import time
+from typing import Any
+
+import msgpack
+import zmq
+
+from runtime.core.errors import ProtocolError
+from runtime.core.futures import Slot
+from runtime.link.awaited import Awaited, Request
+from runtime.link.client_protocol import SUBMIT_REPLY_PREFIX, release_header
+from runtime.link.handshake import LOST, REFUSED, SERVED, HandshakeWatch, open_dealer, read_verdicts
+from runtime.transport.endpoints import ipc_unreachable
+from runtime.transport.spin import Spinner, budget_ns
+from runtime.transport.wake_pipe import WakePipe
+
+__all__ = ["Dealer", "plain_result"]
+
+log = logging.getLogger("phyrt.client")
+
+# plain ints: pyzmq's enum members cost microseconds in every ``|`` and call on the hot path
+_NOBLOCK, _POLLIN = int(zmq.NOBLOCK), int(zmq.POLLIN)
+_get_ident = threading.get_ident
+
+
+def _no_ext(code: int, body: bytes) -> Any:
+    raise ProtocolError("a tensor reference")  # a reply with one is left to Awaited.handle
+
+
+def plain_result(head: bytes, request_id: int) -> dict[str, Any] | None:
+    """The header of ``request_id``'s reply if it is a submit's plain success (``SUBMIT_REPLY_PREFIX``'s
+    five fields, no tensor); None for anything else, which ``Awaited.handle`` reads."""
+    if not head.startswith(SUBMIT_REPLY_PREFIX) or 0xFF in head:  # (0xFF: a Timestamp may hide there)
+        return None
+    try:  # msgpack's own checks: the server packs the result of a plain dict, whose keys are unique
+        header = msgpack.unpackb(head, strict_map_key=True, ext_hook=_no_ext)
+    except Exception:  # a tensor reference, or malformed: handle() says which
+        return None
+    # five distinct fields (the prefix's map size): no field twice
+    if len(header) != 5 or header.get("id") != request_id or header.get("ok") is not True or "result" not in header:
+        return None
+    return header
+
+
+class Dealer:
+    """One client's DEALER socket to its server and who holds it (see the module)."""
+
+    def __init__(self, address: str, options: Any, awaited: Awaited, thread: Any) -> None:
+        self.address = address
+        self.awaited = awaited
+        self.lock = awaited.lock
+        self._table = awaited.table
+        self._thread = thread  # woken when replies are due and nobody reads
+        self._poll_s = options.heartbeat_interval_s  # a reader looks at ``stopped`` at least this often
+        self.outbox: collections.deque[tuple[int | None, list[Any]]] = collections.deque()  # (id or None, frames)
+        self.holder: int | None = None
+        self._left = threading.Condition(self.lock)
+        self.polling = False  # the holder sleeps in poll (wake it to send)
+        self.stopped = False
+        self.failures: collections.deque[str] = collections.deque()  # for the link's callbacks
+        self._spinner = Spinner(budget_ns("client"))  # a waiting caller polls a moment before it sleeps
+        self.pipe = WakePipe()  # wakes the holder
+        try:
+            self._ctx, self.sock, self.monitor = open_dealer(address, options)
+        except BaseException:
+            self.pipe.close()
+            raise
+        self.monitor_lock = threading.Lock()
+        self._watch = HandshakeWatch(address, options.server_public_key is not None)
+        self.open = True
+        self._items = [(self.sock, _POLLIN), (self.pipe.fd, _POLLIN)]
+        self._look = functools.partial(zmq.zmq_poll, self._items, 0)
+
+    def enter(self, request: Request) -> int:
+        """Register ``request`` and take the socket if free, under one hold of ``lock``: 1 taken now,
+        2 held by this thread already, 0 held by another. Raises the request's refusal, if any."""
+        awaited = self.awaited
+        if awaited.unreachable is not None:  # looked at again for each request: it may have come up since
+            awaited.unreachable = ipc_unreachable(self.address)
+        with self.lock:
+            refusal = awaited.refusal(request)
+            if refusal is None:
+                self._table.add_locked(request)
+                holder = self.holder
+                if holder is None:
+                    self.holder = _get_ident()
+                    return 1
+                return 2 if holder == _get_ident() else 0
+        raise refusal
+
+    def take(self) -> int:
+        """The socket for this thread: 1 taken now, 2 held here already, 0 held by another (or stopped)."""
+        with self.lock:
+            holder = self.holder
+            if holder is None:
+                if self.stopped:
+                    return 0
+                self.holder = _get_ident()
+                return 1
+            return 2 if holder == _get_ident() else 0
+
+    def leave(self, hand_on: bool = True) -> None:
+        """Give the socket back (if this thread holds it); with ``hand_on``, wake the link thread when
+        replies are still due; then send what was queued meanwhile."""
+        with self.lock:
+            if self.holder != _get_ident():
+                return
+            self.holder = None
+            if self.stopped:
+                self._left.notify_all()
+            hand_on = hand_on and not self.stopped and self.awaited.awaiting()
+        if self.outbox:
+            self._kick()
+        if hand_on:
+            self._thread.wake()
+
+    def transmit(self, request_id: int | None, frames: list[Any], owned: int, keep: bool = False) -> None:
+        """Send a message: at once if this thread holds the socket (``owned``; given back unless ``keep``),
+        else queued (tensor frames snapshotted) for the holder."""
+        if not owned:
+            if len(frames) > 1:
+                frames = [frames[0], *(bytes(frame) for frame in frames[1:])]
+            self.outbox.append((request_id, frames))
+            if self.polling:
+                self.pipe.wake()
+            elif self.holder is None:
+                self._kick()
+            return
+        failed: list = []
+        try:
+            session = self.awaited.shm.current
+            if self.outbox or not self.open or (session is not None and session.released):  # releases ride first
+                self.outbox.append((request_id, frames))
+                self.flush(failed)
+            else:
+                try:
+                    if len(frames) == 1:
+                        self.sock.send(frames[0], _NOBLOCK)
+                    else:
+                        self.sock.send_multipart(frames, _NOBLOCK)
+                except zmq.ZMQError:  # flush says why, and fails the request
+                    self.outbox.append((request_id, frames))
+                    self.flush(failed)
+        finally:
+            if owned == 1 and not keep:
+                self.leave()
+        if failed:
+            self.awaited.complete(failed)
+
+    def _kick(self) -> None:
+        """Send what is queued, unless another thread holds the socket: then that one sends it."""
+        if not self.outbox:
+            return
+        owned = self.take()
+        if not owned:
+            if self.polling:
+                self.pipe.wake()
+            return
+        failed: list = []
+        try:
+            self.flush(failed)
+        finally:
+            if owned == 1:
+                self.leave()
+        self.awaited.complete(failed)
+
+    def flush(self, failed: list) -> None:
+        """Holding the socket: the releases that wait for a ride, then the outbox; the futures of
+        what could not go into ``failed``."""
+        sock = self.sock
+        # releases first: a server runs a request in the thread that read it only if no message
+        # came after it (one that did must not wait for it), and a release needs no answer
+        session = self.awaited.shm.current
+        while session is not None and session.released and self.open and self.outbox:
+            blocks = session.take_released()
+            if not blocks:
+                break
+            try:
+                sock.send(release_header(blocks), _NOBLOCK)
+            except zmq.Again:  # the queue is full: they ride with a later message
+                session.give_back(blocks)
+                break
+            except zmq.ZMQError as exc:
+                log.warning("dropped a release of result blocks to %s: %s", self.address, exc)
+        while self.outbox:
+            request_id, frames = self.outbox.popleft()
+            if not self.open:
+                continue  # closed: close() fails what is in flight
+            try:
+                if len(frames) == 1:
+                    sock.send(frames[0], _NOBLOCK)
+                else:
+                    sock.send_multipart(frames, _NOBLOCK)
+                continue
+            except zmq.Again:
+                self.watch_monitor(failed)  # a refused handshake fails it (and all in flight) with its cause
+                reason = "the send queue to the server is full (is it reachable?)"
+            except zmq.ZMQError as exc:
+                reason = f"the message could not be sent ({exc})"
+            if request_id is None:
+                log.warning("dropped a message to %s: %s", self.address, reason)
+            else:
+                self.awaited.unsent(request_id, reason, failed)
+
+    # -- reading (the holder of the socket) ----------------------------------------------
+
+    def read(self, future: Any, deadline: float | None, leave: bool) -> None:
+        """Holding the socket: read until ``future`` is done, ``deadline`` passes or the link stops;
+        give the socket back at the end if ``leave`` (a Slot's own plain reply: with its claim)."""
+        sock, pipe, spinner, look, items = self.sock, self.pipe, self._spinner, self._look, self._items
+        own = type(future) is Slot
+        failed: list = []
+        try:
+            while not future.done() and self.open and not self.stopped:
+                if self.outbox:
+                    self.flush(failed)
+                if failed:  # (a request that could not go is answered first)
+                    self.awaited.complete(failed)
+                    failed = []
+                    continue
+                wait = self._poll_s if deadline is None else min(self._poll_s, deadline - time.monotonic())
+                if wait <= 0:
+                    return
+                self.polling = True
+                try:
+                    events = [] if self.outbox else spinner.wait(look, zmq.zmq_poll, items, int(wait * 1000) + 1)
+                finally:
+                    self.polling = False
+                for what, _ in events:
+                    if what is not sock:
+                        pipe.drain()
+                        continue
+                    head = sock.recv(_NOBLOCK, copy=False)
+                    if own and not head.more and self._own(head.bytes, future, leave):
+                        leave = False  # given back with its claim
+                        return
+                    self.read_one(failed, head)
+                if failed:
+                    self.awaited.complete(failed)
+                    failed = []
+        finally:
+            if leave:
+                self.leave()
+
+    def _own(self, head: bytes, future: Slot, leave: bool) -> bool:
+        """``future``'s reply if it is a submit's plain success (``plain_result``): claimed (and the
+        socket given back, with ``leave``, in the same hold of ``lock``) and answered, True; anything
+        else is left to ``Awaited.handle`` (False)."""
+        request_id = future.request_id
+        header = plain_result(head, request_id)
+        if header is None:
+            return False
+        awaited = self.awaited
+        with self.lock:
+            p = self._table.claim_locked(request_id)
+            if p is None:  # failed here already: handle() frees what the server held for it
+                return False
+            if leave:
+                self.holder = None
+                hand_on = not self.stopped and bool(self._table.table or awaited.held or awaited.due)  # (awaiting)
+        awaited.last_heard = time.monotonic()
+        if leave:
+            if self.outbox:
+                self._kick()
+            if hand_on:
+                self._thread.wake()
+        if p.blocks and p.session is not None:
+            p.session.free(p.blocks)
+        future.set_result(header["result"])  # a Slot: no callbacks
+        return True
+
+    def read_one(self, done: list, head: Any = None) -> None:
+        """Read one message (its first frame ``head`` if read already) and handle it."""
+        sock, server_id = self.sock, self.awaited.server_id
+        if head is None:
+            head = sock.recv(_NOBLOCK, copy=False)  # a Frame knows in C whether parts follow
+        frames = []
+        more = head.more
+        while more:  # the parts of a message arrive together
+            frame = sock.recv(copy=False)
+            frames.append(frame)
+            more = frame.more
+        try:
+            register = self.awaited.handle(head.bytes, frames, done)
+            if register is not None:  # a new session: before anything that could use it
+                sock.send(register, _NOBLOCK)
+        except ProtocolError as exc:
+            log.warning("dropped a malformed reply from %s: %s", self.address, exc)
+        except Exception:  # a bug must not lose the replies after this one
+            log.exception("failed to handle a reply from %s", self.address)
+        if server_id is not None and self.awaited.server_id != server_id:
+            self._failed(f"the server at {self.address} restarted")
+
+    # -- failures and the link thread ----------------------------------------------------
+
+    def watch_monitor(self, done: list) -> None:
+        """Act on the monitor's verdicts: a connection lost after its handshake, or a handshake the
+        server refused, fails the requests in flight into ``done``."""
+        awaited = self.awaited
+        for verdict in read_verdicts(self.monitor_lock, self, self._watch):
+            if verdict.action == LOST:
+                reason = f"the connection to the server at {self.address} was lost"
+                awaited.connection_lost(reason, done)
+                self._failed(reason)
+            elif verdict.action == REFUSED:
+                if awaited.refuse(verdict.message, verdict.permanent, done):
+                    log.warning("%s", verdict.message)
+                self._failed(verdict.message)
+            elif verdict.action == SERVED and awaited.served():
+                log.warning("the handshake with %s succeeded: requests go out again", self.address)
+
+    def _failed(self, reason: str) -> None:
+        """A failure for the link's callbacks: they run on the link thread (``failures``)."""
+        self.failures.append(reason)
+        self._thread.wake()
+
+    def shut(self) -> None:
+        """The link thread, on its way out: close the socket and its monitor once no other thread
+        holds the socket (a reader was woken: it sees ``stopped``)."""
+        me = _get_ident()
+        with self.lock:
+            self.stopped = True
+            self._left.wait_for(lambda: self.holder is None or self.holder == me, 2.0)
+            self.open = False
+        with self.monitor_lock:
+            self.sock.disable_monitor()
+            if self.monitor is not None:
+                self.monitor.close(0)
+                self.monitor = None
+            self.sock.close(0)
+
+    def term(self) -> None:
+        """Once the link thread has ended (after ``shut``)."""
+        self.pipe.close()
+        self._ctx.term()
