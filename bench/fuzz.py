@@ -184,7 +184,7 @@ def decode_wire(ctx: FuzzContext, data: bytes) -> None:
 
 
 def decode_worker(ctx: FuzzContext, data: bytes) -> None:
-    """What a rank's serve loop decodes: its inbox (requests) and its control socket."""
+    """What a rank's serve loop decodes: its ring's messages (requests, cancels, and control messages)."""
     decoder = wire.TensorDecoder(mapper=ctx.mapper)
     _decode_any(lambda: wire.unpack_message(data, expected_types=WORKER_TYPES, tensor_decoder=decoder),
                 lambda: wire.unpack_message(data, expected_types=WORKER_CTL_TYPES))

@@ -4,7 +4,7 @@
 
     this process (the client)                                    other processes
     inline engine   step() -> serve thread -> Future              -
-    local engine    step(): wire encode (tensors into shm), PUSH ===> every rank: decode, echo, encode
+    local engine    step(): wire encode (tensors into shm), ring ==> every rank: decode, echo, encode
                     step() reads its own answer: ROUTER <====== rank 0 answers (shm views)
                     (polls up to 100 µs first when a core is spare; runtime.transport.spin)
     floor           os.write / os.read  ===================> pipe echo (raw bytes)

@@ -181,15 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         from runtime.engine import Engine
 
         engine = served = Engine(args, deployment)
-        from runtime.serving.server import Server
-
         topology = _topology(engine)
         log.info("engine ready in %.1f s; binding %s", time.monotonic() - started, address)
-        front.metrics_http = _start_metrics(opts, engine)
-        metrics = front.metrics_http.metrics if front.metrics_http is not None else None
-        front.server = Server(engine, address, max_inflight=opts.max_inflight,
-                              max_message_bytes=opts.max_message_bytes, curve=curve, metrics=metrics,
-                              info={k: topology[k] for k in ("device", "dtype", "backend")})
+        _open_front(front, opts, engine, (address, curve), topology)
         engine = None  # the server owns it now
         stop = threading.Event()
         SignalRelay(_stop_handler(front, stop))  # not in the handler itself: see runtime.core.signals
@@ -218,6 +212,18 @@ def main(argv: list[str] | None = None) -> int:
     _cleanup(None, front, private_dir, opts.drain_timeout_s)
     log.info("stopped" if code == EXIT_STOPPED else f"stopped: no replica could serve (exit status {code})")
     return code
+
+
+def _open_front(front: _Front, opts: argparse.Namespace, engine: Any, where: tuple[str, Any],
+                topology: dict[str, Any]) -> None:
+    """The metrics endpoint and the ``Server`` over ``engine`` at ``where`` (address, CURVE keys), not
+    started yet: the stop signals are taken over first."""
+    from runtime.serving.server import Server
+
+    front.metrics_http = _start_metrics(opts, engine)
+    metrics = front.metrics_http.metrics if front.metrics_http is not None else None
+    front.server = Server(engine, where[0], max_inflight=opts.max_inflight, max_message_bytes=opts.max_message_bytes,
+                          curve=where[1], metrics=metrics, info={k: topology[k] for k in ("device", "dtype", "backend")})
 
 
 def _serve_until_stopped(front: _Front, engine: Any, stop: threading.Event, keep_serving_unhealthy: bool) -> int:

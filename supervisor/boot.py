@@ -25,28 +25,44 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
+import logging
 import multiprocessing
 import os
+import re
+import socket
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import msgpack
+import numpy as np
+import zmq
 
 from runtime.core.config import EngineArgs, WorkerSupervisorConfig, dtype_name
 from runtime.core.errors import ProtocolError, WorkerStartupError
+from runtime.core.futures import resolve
 from runtime.link import rank_protocol as rp
 from runtime.link.broadcast import BroadcastWriter
 from runtime.transport import wire
 from runtime.transport.arena import ShmArena, ShmMapper
+from runtime.transport.shm_names import unlink_quiet
 from runtime.transport.spin import usable_cores
-from supervisor.groups import GroupState, RankState, ResultMapper
-from supervisor.processes import SpawnThread, check_port_free, run_module_main
+from supervisor.processes import RankState, SpawnThread, run_module_main
+from supervisor.replica import Pending, Replica
+
+log = logging.getLogger("phyrt.supervisor")
 
 #: request and result arenas start this large (pre-faulted) and grow on demand
 ARENA_BYTES = 8 << 20
 #: how often a waiting start looks at its cancel event
 CANCEL_POLL_S = 0.05
+#: how long a rank's error that reads like a lost peer waits for a peer's death to show
+PEER_DEATH_GRACE_S = 0.2
+_PEER_LOSS = re.compile(r"connection (?:reset|closed|refused|aborted)|by peer|broken pipe|econnreset|epipe"
+                        r"|remote process|gloo|nccl|socket|timed? ?out", re.IGNORECASE)
+_POLLIN = int(zmq.POLLIN)
 #: the rank process's entry point, ``main(boot: bytes)``, by module path: the supervisor does not import it
 WORKER_MODULE = "workers.main"
 
@@ -54,14 +70,15 @@ WORKER_MODULE = "workers.main"
 class Startup:
     """Whether every rank reported ready, or why the start failed."""
 
-    def __init__(self, groups: list[GroupState], mapper: ShmMapper, timeout_s: float,
+    def __init__(self, replicas: tuple[Replica, ...], mapper: ShmMapper, timeout_s: float,
                  cancel: threading.Event | None = None) -> None:
-        self._groups = groups
+        self._groups = replicas
         self._mapper = mapper
         self._timeout_s = timeout_s
         self._cancel = cancel
         self._event = threading.Event()
         self._error: BaseException | None = None
+        self._unlinked: set[str] = set()  # result segments whose names are gone already
 
     @property
     def done(self) -> bool:
@@ -84,15 +101,15 @@ class Startup:
         if self._error is not None:
             raise self._error
 
-    def rank_ready(self, r: RankState, segments: Any, unlink_mapped: Callable[[], None]) -> None:
+    def rank_ready(self, r: RankState, segments: Any) -> None:
         """A rank's "ready": map its result segments now, so that their names can go at once
-        (``unlink_mapped``: before the start can end, so that the reader is done with
-        system calls, which let the waiting caller run, by then)."""
+        (before the start can end, so that the reader is done with system calls, which let the
+        waiting caller run, by then)."""
         if not isinstance(segments, list) or not all(isinstance(x, str) for x in segments):
             raise ProtocolError(f"{rp.READY!r} needs a list of segment names, got {segments!r}")
         for segment in segments:
             self._mapper.view(segment, 0, 0)
-        unlink_mapped()
+        self.unlink_mapped()
         r.ready = True
         r.last_beat = time.monotonic()  # heartbeats are enforced from here on
         if all(x.ready for g in self._groups for x in g.ranks):
@@ -102,20 +119,42 @@ class Startup:
                 g.ring.unlink()  # and the ring
             self.finish(None)
 
+    def unlink_mapped(self) -> None:
+        """Unlink the names of the result segments mapped since the last call (the reader's, after
+        each message: a rank's result arena grows on demand)."""
+        if len(self._mapper.segments) != len(self._unlinked):
+            for segment in self._mapper.segments:
+                if segment not in self._unlinked:
+                    self._unlinked.add(segment)
+                    unlink_quiet(segment)
+
     def check_timeout(self, started: float, now: float) -> None:
         if not self.done and now - started > self._timeout_s:
             slow = [f"replica {g.engine_replica} rank {r.rank}" for g in self._groups for r in g.ranks if not r.ready]
             self.finish(WorkerStartupError(f"not ready within startup_timeout_s={self._timeout_s}: {', '.join(slow)}"))
 
 
+class ResultMapper:
+    """Maps a rank's result segments; a decoded view frees its block when collected."""
+
+    def __init__(self, mapper: ShmMapper, replica: Replica, rank: int) -> None:
+        self._mapper, self._frees, self._rank = mapper, replica.frees, rank
+
+    def view(self, segment: str, offset: int, nbytes: int) -> memoryview:
+        view = self._mapper.view(segment, offset, nbytes)
+        holder = np.frombuffer(view, dtype=np.uint8)  # weak-referenceable owner of the view
+        weakref.finalize(holder, self._frees.append, (self._rank, segment, offset))
+        return memoryview(holder)
+
+
 class Launcher:
-    """Starts the ranks of every replica into ``groups`` (from the ``SpawnThread``)."""
+    """Starts the ranks of every replica into ``replicas`` (from the ``SpawnThread``)."""
 
     def __init__(self, run_id: str, run_dir: str, mapper: ShmMapper, spawner: SpawnThread) -> None:
         self._run_id, self._run_dir = run_id, run_dir
         self._mapper, self._spawner = mapper, spawner
 
-    def spawn(self, groups: list[GroupState], args: EngineArgs, plugin_spec: str,
+    def spawn(self, replicas: list[Replica], args: EngineArgs, plugin_spec: str,
               placement: list[tuple[int, ...]], config: WorkerSupervisorConfig, target: str,
               worker_spin_ns: int, first_replica: int = 0) -> None:
         """Group i serves the engine's replica ``first_replica + i`` (its ranks' replica index,
@@ -139,8 +178,9 @@ class Launcher:
         # CUDA tensors cross as CUDA-IPC handles; only ranks we spawned are trusted to send them
         cuda = target == "cuda"
         for replica, devices in enumerate(placement):
-            group = GroupState(replica, [], ShmArena(self._run_id, ARENA_BYTES), engine_replica=first_replica + replica)
-            groups.append(group)  # closed with the supervisor from here on, as its ring
+            group = Replica(replica, first_replica + replica, ShmArena(self._run_id, ARENA_BYTES),
+                            config.execution_timeout_s)
+            replicas.append(group)  # closed with the supervisor from here on, as its ring
             group.ring = BroadcastWriter(self._run_id, len(devices))
             where = {**common, **self._rendezvous(config, replica, first_replica + replica),
                      "replica_index": first_replica + replica, "ring": group.ring.name,
@@ -154,7 +194,7 @@ class Launcher:
             return {"port": config.base_port + engine_replica, "store": None}
         return {"port": None, "store": os.path.join(self._run_dir, f"store-{replica}")}
 
-    def _spawn_rank(self, group: GroupState, rank: int, device: int, common: dict[str, Any], cuda: bool) -> None:
+    def _spawn_rank(self, group: Replica, rank: int, device: int, common: dict[str, Any], cuda: bool) -> None:
         replica = group.index
         boot = msgpack.packb({**common, "replica": replica, "rank": rank, "device": device,
                               "premap": group.arena.segments}, use_bin_type=True)
@@ -164,3 +204,165 @@ class Launcher:
             daemon=True)
         self._spawner.call(process.start)
         group.ranks.append(RankState(replica, rank, device, process, decoder=decoder))  # its reaper's from here
+
+
+class Answers:
+    """What the ranks send, taken by the thread holding the reader role (the ctl ROUTER) or by the
+    link thread (the hb ROUTER). One ROUTER message per ``take`` (the poll is level-triggered);
+    taken results complete their futures in ``after_poll``, a stream's chunks first."""
+
+    def __init__(self, router: zmq.Socket, replicas: tuple[Replica, ...], startup: Any, fail: Callable[..., None]) -> None:
+        """``startup``: READY and STARTUP_ERROR go there; ``fail(replica, reason, cause, suspects, grace_s)``."""
+        self._router, self._replicas, self._startup, self._fail = router, replicas, startup, fail
+        self._peers = {f"c-{g.index}-{r.rank}".encode(): (g, r) for g in replicas for r in g.ranks}
+        self._beats = {f"h-{g.index}-{r.rank}".encode(): (g, r) for g in replicas for r in g.ranks}
+        self._ready: list[tuple[Any, Any]] = []  # (future, result) taken, to complete in after_poll
+        self._chunks: list[tuple[Any, Any]] = []  # (StreamCall, chunk) taken, to deliver in after_poll
+        self._finished: list[tuple[Replica, Pending]] = []  # answered: their blocks to retire
+        self.waiting = False  # after the last after_poll: a ring still waits for a rank (look again soon)
+
+    def take(self) -> None:
+        """Take one ctl message (the poll said there is one)."""
+        got = _recv_from_rank(self._router, self._peers, "message")
+        if got is None:
+            return
+        group, r, payload, count = got
+        if group.failed is not None:
+            return
+        if count != 1:
+            self._fail(group, f"rank {r.rank} sent a malformed message: {count} frames, not 1")
+            return
+        try:
+            msg = wire.unpack_message(payload.buffer, expected_types=rp.ANSWERS, tensor_decoder=r.decoder)
+            self._handle(group, r, msg)
+        except (ProtocolError, TypeError, ValueError, KeyError, AttributeError) as exc:
+            # well-formed msgpack with fields of the wrong shape is just as malformed
+            self._fail(group, f"rank {r.rank} sent a malformed message: {type(exc).__name__}: {exc}", exc)
+        self._startup.unlink_mapped()
+
+    def read(self, role: Any, spinner: Any, poll_ms: int, future: Any, deadline: float | None) -> None:
+        """As the reader (``ReaderRole.wait``): take answers until ``future`` is done, ``deadline``
+        passed or the role is closed; woken through ``role.fd`` (a failure, close)."""
+        router = self._router
+        items = [(router, _POLLIN), (role.fd, _POLLIN)]
+        while not future.done() and not role.closed:
+            wait_ms = 2 if self.waiting else poll_ms  # a ring waiting for a rank's credit: look soon
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                wait_ms = min(wait_ms, int(left * 1000) + 1)
+            # with a core to spare, look for the answer a moment before sleeping
+            for item, _ in spinner.wait(functools.partial(zmq.zmq_poll, items, 0), zmq.zmq_poll, items, wait_ms):
+                if item is router:
+                    self.take()
+                else:
+                    role.drain()
+            self.after_poll()
+
+    def take_beats(self, hb: zmq.Socket) -> None:
+        """Take every heartbeat queued on the hb ROUTER (the link thread's)."""
+        while hb.getsockopt(zmq.EVENTS) & _POLLIN:
+            got = _recv_from_rank(hb, self._beats, "heartbeat")
+            if got is None:
+                continue
+            group, r, payload, count = got
+            if group.failed is not None:
+                continue
+            try:
+                if count != 1:
+                    raise ProtocolError(f"{count} frames, not 1")
+                group.beat(r, payload.buffer)
+            except (ProtocolError, TypeError, ValueError, KeyError, AttributeError) as exc:
+                self._fail(group, f"rank {r.rank} sent a malformed heartbeat: {exc}", exc)
+
+    def _handle(self, group: Replica, r: RankState, msg: dict[str, Any]) -> None:
+        kind = msg["type"]
+        if kind == rp.DONE:
+            if not msg.get("ok"):  # any rank's: the replica fails (the request may be answered already)
+                self._request_failed(group, r, msg)
+                return
+            entry = group.done(r, msg)
+            if entry is not None:  # completed after this poll's bookkeeping, before anything fails it
+                self._ready.append((entry.future, msg.get("result")))
+                self._finished.append((group, entry))
+        elif kind == rp.PARTIAL:
+            self._chunks.append((group.stream_of(r, msg), msg.get("chunk")))
+        elif kind == rp.READY:
+            self._startup.rank_ready(r, msg.get("segments"))
+        else:  # rp.STARTUP_ERROR
+            cause = rp.remote_error(msg)
+            self._fail(group, f"rank {r.rank} failed to start: {cause.remote_type}: {cause.remote_message}", cause)
+
+    def _request_failed(self, group: Replica, r: RankState, msg: dict[str, Any]) -> None:
+        cause = rp.remote_error(msg)
+        raised = f"rank {r.rank} raised {cause.remote_type}: {cause.remote_message} (request {msg['id']})"
+        # a peer that died (inside a collective, say) is to blame, not the rank that lost it;
+        # this thread may see the survivor's error before the dead rank's sentinel
+        grace = PEER_DEATH_GRACE_S if _PEER_LOSS.search(f"{cause.remote_type}: {cause.remote_message}") else 0.0
+        self._fail(group, raised, cause, tuple(x for x in group.ranks if x is not r), grace)
+
+    def after_poll(self) -> None:
+        """The reader's bookkeeping after each poll: blocks back to the ranks, futures completed,
+        the rings flushed."""
+        for group in self._replicas:
+            if group.frees:
+                group.send_frees()
+        if self._ready or self._finished or self._chunks:
+            self.complete()
+        waiting = False
+        for group in self._replicas:
+            waiting = group.flush() or waiting
+        self.waiting = waiting
+
+    def complete(self) -> None:
+        """Deliver the chunks taken, complete the futures of the answers taken, then retire their blocks."""
+        if self._chunks:
+            chunks, self._chunks = self._chunks, []
+            for stream, chunk in chunks:
+                stream.put(chunk)
+        ready, self._ready = self._ready, []
+        for future, result in ready:
+            resolve(future, result=result)
+        finished, self._finished = self._finished, []
+        for group, entry in finished:
+            group.retire(entry)
+
+
+def _recv_from_rank(sock: Any, peers: dict[bytes, tuple[Replica, RankState]],
+                    kind: str) -> tuple[Replica, RankState, Any, int] | None:
+    """Take one message off a ROUTER the ranks' DEALERs talk to: its sender's (replica, rank), its
+    first frame and its frame count, the sender's last sign of life noted; None (logged) when the
+    sender is unknown."""
+    identity = sock.recv()  # a ROUTER puts the sender's identity first, always
+    first = last = sock.recv(copy=False)  # a Frame knows whether more follow
+    count = 1
+    while last.more:  # the rest of a malformed message
+        last = sock.recv(copy=False)
+        count += 1
+    peer = peers.get(identity)
+    if peer is None:
+        log.warning("%s from an unknown peer %r dropped", kind, identity)
+        return None
+    group, r = peer
+    r.last_beat = time.monotonic()
+    return group, r, first, count
+
+
+def check_port_free(port: int, replica: int) -> None:
+    """Raise ValueError when rank 0 of ``replica`` could not listen on ``port`` (a pinned
+    ``base_port``; a free rendezvous needs no port).
+
+    SO_REUSEADDR, as the rank's own listener sets it: connections of a previous engine
+    in TIME_WAIT on the port (for a minute after it closed) are no obstacle; a listener is.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise ValueError(
+                f"rendezvous port {port} of replica {replica} (base_port + {replica}) is taken: {exc}; "
+                "pass base_port=None (the default) for a free rendezvous, or set "
+                "WorkerSupervisorConfig(base_port=...) to a free range"
+            ) from None

@@ -1,50 +1,58 @@
-"""The rank processes as the operating system sees them: the thread they are started
-from, how one died (read without reaping it), how to stop a group (SIGTERM, a grace,
-SIGKILL) and whether a rendezvous port is free. (Run directories whose engine process no
-longer exists are removed by ``runtime.transport.owners.sweep_run_dirs``.)
+"""The rank processes as the operating system sees them: the thread they are started from, how
+one died (read without reaping it; the blame), and their reapers (SIGTERM, a grace, SIGKILL, then
+their pipes closed). Standard library and ``runtime.transport.shm_names`` only: a rank imports
+this module (``run_module_main``) before anything heavy.
 
-Why ranks are started from a ``SpawnThread``: a rank must die within moments of its
-engine's SIGKILL whatever it is doing, a long C call that holds the GIL included, so
-the rank asks the kernel for it (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, first thing
-in the rank, ``run_module_main``): no thread of the rank has to run. But the kernel's
-"parent" there is the *thread* that forked the rank (multiprocessing's spawn forks
-in the thread that calls ``Process.start()``), and the signal comes when that thread
-exits, even though the engine process lives on. The engine may be built from any
-thread (a short-lived one included), so the supervisor starts every rank from a
-thread of its own that does nothing else and lives until the supervisor's
-``close()`` has reaped the ranks; when the engine process dies, that thread dies
-with it and the kernel SIGKILLs the ranks. A reaper process was the alternative: it
-needs no GIL either, but it is one more process to start, to keep from leaking, and
-to tell apart from the ranks; this costs one idle thread.
+Why ranks are started from a ``SpawnThread``: a rank must die within moments of its engine's
+SIGKILL whatever it is doing, so it asks the kernel for it (``prctl(PR_SET_PDEATHSIG, SIGKILL)``,
+first thing, ``run_module_main``). The kernel's "parent" there is the *thread* that forked the rank
+(the signal comes when that thread exits), and the engine may be built from a short-lived thread:
+every rank is started from a thread of the supervisor's own that does nothing else and lives until
+``close()`` has reaped the ranks. Ranks never see the terminal's Ctrl-C: the ``SpawnThread`` blocks
+SIGINT (the mask survives fork and exec); ``run_module_main`` sets it to ignored, then unblocks it.
 
-Why ranks never see the terminal's Ctrl-C: the terminal signals its whole foreground
-process group, ranks included, but the engine process decides when its ranks stop
-(a rank gone mid-request takes its replica down). The ``SpawnThread`` blocks SIGINT
-for itself, so every rank starts with SIGINT blocked (the mask survives fork and
-exec: a Ctrl-C while the rank imports Python stays pending); ``run_module_main``
-then sets SIGINT to ignored, which drops a pending one, and unblocks it.
+Reaping: every rank has one owner, its replica's reaper thread, started once when the replica
+stops serving (a failure, or ``close()``, which joins them all):
+
+    reaper: the failure told (``failed``) -> stop_ranks (SIGTERM, a grace, SIGKILL; it reaps them)
+            -> release: wait (bounded) for each exit code, close each Process's pipes whatever
+               showed, a ReapedProcess in its place; sweep the dead ranks' /dev/shm names -> then()
+
+Invariants:
+- ``release`` is the only code that closes a rank's ``Process``, and closes its pipes whether or
+  not the exit code showed (another thread's ``waitpid`` may have reaped it without storing it).
+- Only the owner reaps: everything else reads exit codes with ``WNOWAIT`` (``exit_code``).
+- ``Reaping.lock`` guards the ``Process`` objects from the moment a reaper may close them: a thread
+  that looks at a rank (``dead_rank``) takes it and skips closed ranks.
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib
+import logging
 import multiprocessing
 from multiprocessing import resource_tracker
 import multiprocessing.connection
 import os
 import queue
 import signal
-import socket
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Callable
+
+from runtime.transport.shm_names import sweep_creators
+
+log = logging.getLogger("phyrt.supervisor")
 
 #: a rank that does not exit this long after SIGTERM gets SIGKILL
 TERM_GRACE_S = 2.0
 #: how long a rank is waited for after SIGKILL
 KILL_WAIT_S = 5.0
+#: how long releasing a stopped rank waits for its exit code to show (see the module docstring)
+EXIT_CODE_WAIT_S = 1.0
 #: linux/prctl.h
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -52,6 +60,38 @@ _PR_SET_NAME = 15
 _NAME_BYTES = 15
 #: the exit code of a rank whose engine is gone
 ORPHAN_EXIT = 70
+
+
+@dataclass
+class RankState:
+    replica: int
+    rank: int
+    device: int
+    process: Any
+    last_beat: float = 0.0  # enforced once the rank is ready; startup_timeout_s covers the start
+    ready: bool = False
+    decoder: Any = None  # the wire decoder for this rank's answers (results map to its arena)
+    # under ``Reaping.lock``: whether its reaper released it (``process`` is a ReapedProcess then)
+    closed: bool = False
+
+
+@dataclass(frozen=True)
+class ReapedProcess:
+    """What is left of a rank's ``Process`` once it was reaped and closed: who it was and how it
+    ended (None: reaped by a wait outside multiprocessing, or running after SIGKILL), same API."""
+
+    pid: int
+    name: str
+    exitcode: int | None
+
+    def is_alive(self) -> bool:
+        return False
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def run_module_main(module: str, boot: bytes) -> None:
@@ -216,20 +256,135 @@ def stop_ranks(processes: list[Any], polite: bool = False) -> None:
             p.join(KILL_WAIT_S)
 
 
-def check_port_free(port: int, replica: int) -> None:
-    """Raise ValueError when rank 0 of ``replica`` could not listen on ``port`` (a pinned
-    ``base_port``; a free rendezvous needs no port).
+class Reaping:
+    """The reaper threads of the replicas that ended, the release of their ranks, and the blame."""
 
-    SO_REUSEADDR, as the rank's own listener sets it: connections of a previous engine
-    in TIME_WAIT on the port (for a minute after it closed) are no obstacle; a listener is.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    def __init__(self, run_id: str) -> None:
+        self.lock = threading.Lock()  # the reapers, the listeners, the ranks' release
+        self.threads: list[threading.Thread] = []
+        self._run_id = run_id
+        self._listeners: dict[int, list[Callable[[], None]]] = {}  # replica -> told once it failed
+        self._bound_s = 0.0  # the longest a reaper started so far may take
+
+    def listen(self, index: int, callback: Callable[[], None]) -> None:
+        """``callback()`` on the reaper thread of replica ``index`` once it failed (not at close)."""
+        with self.lock:
+            self._listeners.setdefault(index, []).append(callback)
+
+    def _tell_failed(self, index: int) -> None:
+        with self.lock:
+            callbacks = self._listeners.pop(index, [])
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # one listener's trouble must not stop the reaper
+                log.exception("a listener of replica group %d's failure raised", index)
+
+    def stop(self, index: int, ranks: list[RankState], polite: bool, then: Callable[[], None]) -> None:
+        """Start replica ``index``'s reaper (once, at the end of its serving); ``polite``: it was
+        closed (its ranks asked to shut down), not failed; ``then()`` once its ranks are released."""
+        reaper = threading.Thread(target=self._reap, args=(index, ranks, polite, then),
+                                  name=f"phyrt-reaper-{index}", daemon=True)
+        with self.lock:
+            self._bound_s = max(self._bound_s, stop_bound_s(len(ranks), polite) + EXIT_CODE_WAIT_S)
+            self.threads.append(reaper)
+        reaper.start()
+
+    def join_all(self) -> None:
+        """Wait for every reaper (close()); each is bounded, so this is too."""
+        with self.lock:
+            reapers, bound = list(self.threads), self._bound_s + 5.0
+        deadline = time.monotonic() + bound
+        for reaper in reapers:
+            reaper.join(max(0.0, deadline - time.monotonic()))
+            if reaper.is_alive():
+                log.error("%s has not finished stopping its ranks within %.0f s", reaper.name, bound)
+
+    def _reap(self, index: int, ranks: list[RankState], polite: bool, then: Callable[[], None]) -> None:
         try:
-            s.bind(("127.0.0.1", port))
-        except OSError as exc:
-            raise ValueError(
-                f"rendezvous port {port} of replica {replica} (base_port + {replica}) is taken: {exc}; "
-                "pass base_port=None (the default) for a free rendezvous, or set "
-                "WorkerSupervisorConfig(base_port=...) to a free range"
-            ) from None
+            if not polite:
+                self._tell_failed(index)
+        finally:  # whatever happens above, the ranks are stopped and released
+            try:
+                stop_ranks([r.process for r in ranks], polite=polite)
+            finally:
+                self.release(ranks)
+                then()
+
+    def release(self, ranks: list[RankState]) -> None:
+        """Close the ``Process`` of each stopped rank, waiting up to ``EXIT_CODE_WAIT_S`` for its
+        exit code; sweep the /dev/shm names the dead left."""
+        waiting = list(ranks)
+        deadline = time.monotonic() + EXIT_CODE_WAIT_S
+        while True:
+            with self.lock:
+                for r in waiting:
+                    code = exit_code(r.process)
+                    if code is not None:
+                        _close(r, code)
+                waiting = [r for r in waiting if not r.closed]
+            if not waiting or time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)  # (the thread that reaped one stores its code meanwhile)
+        running = []
+        with self.lock:
+            for r in waiting:
+                if _still_a_child(r.process.pid):
+                    running.append(r.process.pid)
+                    log.error("replica %d rank %d (pid %d) still runs after SIGKILL; its pipes are closed",
+                              r.replica, r.rank, r.process.pid)
+                _close(r, None)
+        dead = [r.process.pid for r in ranks if r.process.pid not in running]
+        if dead:
+            sweep_creators(self._run_id, dead)
+
+    def dead_rank(self, ranks: list[RankState], wait_s: float = 0.0) -> str | None:
+        """The blame: "rank K <how it exited>" for one of ``ranks`` that has exited (one killed by a
+        signal first, then the lowest), waiting up to ``wait_s`` for one to; else None."""
+        live: dict[int, RankState] = {}
+        try:
+            with self.lock:  # a released rank's process is a ReapedProcess, described all the same
+                exits = [(r.rank, r.process.exitcode) for r in ranks if r.closed]
+                # waited on without the lock: duplicates, as a reaper may close a Process meanwhile
+                for r in ranks:
+                    if not r.closed:
+                        live[os.dup(r.process.sentinel)] = r
+            ready = multiprocessing.connection.wait(list(live), 0.0 if exits else wait_s) if live else []
+        finally:
+            for fd in live:
+                os.close(fd)
+        if ready:
+            with self.lock:
+                exits += [(live[fd].rank, live[fd].process.exitcode if live[fd].closed
+                           else exit_code(live[fd].process, wait_s=0.1)) for fd in ready]
+        if not exits:
+            return None
+        rank, how = min(((k, describe_exit(code)) for k, code in exits), key=lambda e: ("signal" not in e[1], e[0]))
+        return f"rank {rank} {how}"
+
+
+def _close(r: RankState, code: int | None) -> None:
+    """Under ``Reaping.lock``: close ``r.process``'s pipes and put a ``ReapedProcess`` in its place.
+    With ``code`` None the exit code never showed: multiprocessing refuses to close such a process,
+    so its pipes are closed directly; it stays in multiprocessing's children (whose next poll reaps
+    it) unless another wait reaped it already (lest that pid, given to another child, be waited on)."""
+    process = r.process
+    r.process = ReapedProcess(process.pid, process.name, code)
+    r.closed = True
+    if code is not None and process.exitcode is not None:  # reaped (by stop_ranks, normally)
+        process.close()
+        return
+    popen = process._popen
+    if popen is not None:
+        popen.close()  # runs its finalizer: closes the sentinel and the other pipe
+    if not _still_a_child(process.pid):
+        multiprocessing.process._children.discard(process)
+
+
+def _still_a_child(pid: int) -> bool:
+    """Whether ``pid`` is still a child of this process (running, or a zombie: WNOWAIT reaps nothing)."""
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return True

@@ -1,61 +1,65 @@
-"""WorkerSupervisor: spawns the ranks of every local replica and watches them; a facade
-over one module per concern.
+"""WorkerSupervisor: spawns the ranks of every local replica and watches them.
 
-    caller threads                      watch thread (I/O)                 rank processes
-    submit(replica, request, future) -- channel: broadcast ring -------> every rank reads it
-    future.result(): the reader ------- channel: ctl ROUTER <--"done"---- DEALER "c-R-0" (output rank)
-                                        otherwise the reader: ctl ROUTER <-- (same answers)
-                                        always: hb ROUTER <------"hb"---- DEALER "h-R-r"
-                                        sentinels, wake-ups, deadlines
-    a failure anywhere --> Failures.fail(group), once --> the group's reaper stops its ranks
+    caller threads                       link thread "phyrt-supervisor"      rank processes
+    submit(replica, request, future) --- Replica.submit: broadcast ring ---> every rank reads it
+    finish_call(slot): the reader ------ ctl ROUTER <------- DONE/PARTIAL -- DEALER "c-R-0" (rank 0)
+                                         otherwise the reader: ctl ROUTER <-- (the same answers)
+                                         always: hb ROUTER <------- HB ------ DEALER "h-R-r"
+                                         sentinels, deadlines, the rings' flushes
+    a failure anywhere --> _fail(replica), once --> its futures fail, its reaper stops its ranks
 
-    boot.py      spawn and the ready handshake     channel.py  submit; the reader role; the future
-    answers.py   what the reader does with answers watch.py    the I/O thread, fallback reader
-    failure.py   a group fails once; blame         reaping.py  one reaper per group; release
-    groups.py    per-group state and arena adapters processes.py the OS side of the ranks
+    boot.py  spawn and the ready handshake       replica.py   one replica: requests, answers, blocks
+    processes.py  the OS side: spawn thread, reapers, blame
 
-Invariants (each module states its own):
-- One lock for submission and reading (``ReaderRole.lock``): pending requests, the group's
-  ``failed`` flag and the reader's identity change together; ``Reaping.lock`` guards the
-  rank ``Process`` objects; each group's ``arena_lock`` its request arena; none is taken
-  while another of them is held, except an arena's under the channel's.
-- Every rank has one owner, its group's reaper, started once when the group stops serving
-  (a failure, or ``close()``); ``close()`` joins them all (see ``supervisor.reaping``).
-- Shared memory: each replica's requests go through an arena this process owns; each rank
-  answers through its own arena. A segment's name is unlinked as soon as every process that
-  needs it has mapped it, and stale names of dead runs are swept at start, so even
-  ``kill -9`` of the whole tree leaves /dev/shm clean. Results that arrived through shared
-  memory are views: the rank's block is freed when the last tensor viewing it is collected.
+The watch is an end of a ``runtime.link.link_thread.LinkThread`` (this class: ``tick``,
+``poll_items``, ``after_poll``, ``broken``, ``shut``): heartbeats are watched whoever reads the
+answers; deadlines are checked every ``heartbeat_interval_s`` / 2 and at each request's own
+(``execution_timeout_s`` from submission); a failure of the thread fails every replica.
+
+Reader role (``runtime.transport.reader.ReaderRole``): one thread reads the ctl ROUTER, a caller
+of ``start_call`` waiting on its own slot when the role is free (no thread switch per round trip),
+else the link thread. Its lock guards only who reads (and ``_closed``); each replica's requests and
+``failed`` flag are under its table's lock. A submit registers its request, then looks whether
+anyone reads; a reader gives the role up, then looks whether answers are due: one of them sees
+the other, so no answer waits unread.
+
+Every rank has one owner, its replica's reaper (``processes.Reaping``), started once when the
+replica stops serving; ``close()`` joins them all. Each replica's requests go through an arena this
+process owns, each rank answers through its own; a segment's name is unlinked as soon as every
+process that needs it mapped it, and stale names of dead runs are swept at start, so even
+``kill -9`` of the whole tree leaves /dev/shm clean.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
 import tempfile
 import threading
-from concurrent.futures import Future
+import time
 from typing import Any, Callable
 
 import zmq
 
 from runtime.core.config import EngineArgs, WorkerSupervisorConfig
+from runtime.core.errors import WorkerStartupError
+from runtime.core.futures import Slot
+from runtime.link.link_thread import LinkThread
+from runtime.transport.arena import ShmMapper, new_run_id, sweep_run, sweep_stale
 from runtime.transport.owners import sweep_run_dirs
 from runtime.transport.reader import ReaderRole
-from runtime.transport.arena import ShmMapper, new_run_id, sweep_run, sweep_stale
-from runtime.transport.spin import budget_ns, usable_cores
-from runtime.transport.wake_pipe import WakePipe
-from supervisor.answers import AnswerReader, answers_due
-from supervisor.boot import Launcher, Startup
-from supervisor.channel import RequestChannel
-from supervisor.failure import CLOSED, Failures
-from supervisor.groups import GroupState, lend_tensor
-from supervisor.processes import SpawnThread
-from supervisor.reaping import Reaping
-from supervisor.watch import Watch
+from runtime.transport.spin import Spinner, budget_ns, usable_cores
+from supervisor.boot import Answers, Launcher, Startup
+from supervisor.processes import RankState, Reaping, SpawnThread
+from supervisor.replica import Replica, fail_futures
 
 log = logging.getLogger("phyrt.supervisor")
+
+#: why every replica still serving stopped at close()
+CLOSED = "the engine is closed"
+_POLLIN = int(zmq.POLLIN)
 
 
 class WorkerSupervisor:
@@ -68,7 +72,6 @@ class WorkerSupervisor:
         ready. Group i serves the engine's replica ``first_replica + i`` (a rebuilt replica is a
         supervisor of its own); setting ``cancel`` abandons the start (WorkerStartupError)."""
         self.config = config
-        self._first_replica = first_replica
         self._closed = False
         sweep_stale()  # segments of runs whose processes were all killed
         sweep_run_dirs()
@@ -79,43 +82,45 @@ class WorkerSupervisor:
         spare_core = sum(len(p) for p in placement) < usable_cores()
         # a rank looks for the next request a moment after answering one (runtime.transport.spin)
         self.worker_spin_ns = budget_ns("worker") if spare_core else 0
+        self._spinner = Spinner(budget_ns("caller") if spare_core else 0)
         self._ctx = zmq.Context(1)
         self._sockets: list[zmq.Socket] = []
-        self._groups: list[GroupState] = []
+        self._replicas: list[Replica] = []  # filled by the spawn, then never changed
         self._mapper = ShmMapper(self.run_id)
-        self._wakeup = WakePipe()  # wakes the watch thread
-        self._startup = Startup(self._groups, self._mapper, config.startup_timeout_s, cancel)
-        self._role = ReaderRole(lambda: answers_due(self._groups, self._startup), self._wakeup.wake)
-        self._listeners: dict[int, list[Callable[[], None]]] = {}  # group -> told once it failed
-        self._listeners_lock = threading.Lock()
-        self._reaping = Reaping(self.run_id, self._role.wake, self._tell_failed)
-        self._failures = Failures(self._role.lock, self._reaping, self._startup, self._role.wake)
-        self._answers: AnswerReader | None = None  # once the ranks are spawned
-        self._watch: Watch | None = None
-        # ranks die with the thread that forked them (PR_SET_PDEATHSIG): one that outlives them
-        self._spawner = SpawnThread(f"phyrt-spawn-{self.run_id}")
+        self._link = LinkThread("phyrt-supervisor")
+        self._role = ReaderRole(self._answers_due, self._link.wake)
+        self._reaping = Reaping(self.run_id)
+        self._startup = Startup((), self._mapper, config.startup_timeout_s, cancel)
+        self._answers: Answers | None = None
+        self._sentinels: dict[int, RankState] = {}  # the link thread's duplicates of the ranks' sentinels
+        self._next_check = 0.0
+        self.wake_at = 0.0  # when the link thread next wakes by itself (monotonic)
+        self._reading = False
+        self._spawner = SpawnThread(f"phyrt-spawn-{self.run_id}")  # ranks die with it (PDEATHSIG)
         success = False
         try:
-            self._start(args, plugin_spec, placement, target, budget_ns("caller") if spare_core else 0)
+            self._start(args, plugin_spec, placement, target, first_replica, cancel)
             success = True
         finally:
             if not success:
                 self.close()
 
     def _start(self, args: EngineArgs, plugin_spec: str, placement: list[tuple[int, ...]], target: str,
-               caller_spin_ns: int) -> None:
-        router = self._socket(zmq.ROUTER, self.address)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        hb = self._socket(zmq.ROUTER, f"ipc://{self.run_dir}/hb")
+               first_replica: int, cancel: threading.Event | None) -> None:
+        self._router = self._socket(zmq.ROUTER, self.address)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._hb = self._socket(zmq.ROUTER, f"ipc://{self.run_dir}/hb")
         Launcher(self.run_id, self.run_dir, self._mapper, self._spawner).spawn(
-            self._groups, args, plugin_spec, placement, self.config, target, self.worker_spin_ns,
-            self._first_replica)
-        self._answers = AnswerReader(router, self._groups, self._role, self._failures, self._startup, self._mapper)
-        self._channel = RequestChannel(self._groups, self._role, self._answers, router,
-                                       self.config, caller_spin_ns, self._wakeup.wake)
-        self._watch = Watch(self._groups, hb, router, self._wakeup, self._channel, self._answers, self._failures,
-                            self._startup, self.config)
-        self._watch.start()
+            self._replicas, args, plugin_spec, placement, self.config, target, self.worker_spin_ns, first_replica)
+        replicas = tuple(self._replicas)
+        self._startup = Startup(replicas, self._mapper, self.config.startup_timeout_s, cancel)
+        self._answers = Answers(self._router, replicas, self._startup, self._fail)
+        poll_ms = int(self.config.heartbeat_interval_s * 1000) + 1
+        self._read = functools.partial(self._answers.read, self._role, self._spinner, poll_ms)
+        self._sentinels = {os.dup(r.process.sentinel): r for g in replicas for r in g.ranks}
+        self._started = time.monotonic()
+        self._link.add(self)
+        self._link.start()
         self._startup.wait()
 
     def _socket(self, kind: int, address: str) -> zmq.Socket:
@@ -129,43 +134,162 @@ class WorkerSupervisor:
 
     def group_error(self, replica: int) -> str | None:
         """Why ``replica``'s group stopped serving ("the engine is closed" after close); None while healthy."""
-        return self._groups[replica].failed
+        return self._replicas[replica].failed
+
+    def plugin_info(self, replica: int) -> dict | None:
+        """Rank 0's runner info as its latest heartbeat carrying one had it; None until one came."""
+        return self._replicas[replica].info
 
     def on_group_failure(self, replica: int, callback: Callable[[], None]) -> None:
         """``callback()`` once ``replica``'s group fails (not at close), on its reaper thread after its
         futures failed, holding no lock of ours. One registered after its group failed is not
         called: look at ``group_error`` after registering."""
-        with self._listeners_lock:
-            self._listeners.setdefault(replica, []).append(callback)
+        self._reaping.listen(replica, callback)
 
-    def _tell_failed(self, replica: int) -> None:
-        with self._listeners_lock:
-            callbacks = self._listeners.pop(replica, [])
-        for callback in callbacks:
-            try:
-                callback()
-            except Exception:  # one listener's trouble must not stop the reaper
-                log.exception("a listener of replica group %d's failure raised", replica)
+    def start_call(self, replica: int, request: Any, then: Callable[[], None] | None = None) -> Slot:
+        """``Engine.step``'s send: ``submit`` with a ``Slot`` for ``finish_call`` (``then()`` once
+        answered or failed), the calling thread made the reader first when nobody reads."""
+        slot = Slot(then)
+        reading = self._role.take_free()
+        try:
+            self.submit(replica, request, slot)
+        except BaseException:
+            if reading:
+                self._role.leave()
+            raise
+        return slot
 
-    def start_call(self, replica: int, request: Any, then: Callable[[], None] | None = None) -> Any:
-        """``Engine.step``'s send: ``submit`` with a waitable for ``finish_call`` (``then()`` once the
-        request is answered or failed), the calling thread made the reader of the answers first
-        when nobody reads (``supervisor.channel``)."""
-        return self._channel.start_call(replica, request, then)
+    def finish_call(self, slot: Slot, timeout: float | None) -> Any:
+        """``start_call``'s answer: read here while this thread is (or can become) the reader, else
+        slept for; the role is given up at the end."""
+        if not self._role.wait(slot, timeout, self._read):
+            raise TimeoutError(f"no result within {timeout} s (the request was still running; its result is dropped)")
+        return slot.result()
 
-    def finish_call(self, waitable: Any, timeout: float | None) -> Any:
-        """The answer to ``start_call``'s request, read (or waited for) in the calling thread."""
-        return self._channel.finish_call(waitable, timeout)
-
-    def submit(self, replica: int, request: Any, future: Future, stream: Any = None) -> None:
-        """Send ``request`` to every rank of ``replica``; ``future`` gets the output rank's answer,
-        ``stream`` (a ``StreamCall``) the chunks a streamed request sends before it. The future is
-        completed by whichever thread reads the answers (the watch thread when no caller does)."""
-        self._channel.submit(replica, request, future, stream)
+    def submit(self, replica: int, request: Any, future: Any, stream: Any = None) -> None:
+        """Send ``request`` to every rank of ``replica``; ``future`` gets rank 0's answer, ``stream``
+        (a ``StreamCall``) the chunks of a streamed request. The future is completed by whichever
+        thread reads the answers (the link thread when no caller does)."""
+        entry = self._replicas[replica].submit(request, future, stream)
+        # the link thread reads when nobody else does (or sleeps past this deadline)
+        if self._role.holder is None or (entry.deadline is not None and entry.deadline < self.wake_at):
+            self._link.wake()
 
     def empty(self, replica: int, shape: tuple[int, ...], dtype: Any) -> Any:
-        """A tensor in ``replica``'s request arena, sent without a copy (``supervisor.groups.lend_tensor``)."""
-        return lend_tensor(self._groups[replica], shape, dtype)
+        """A tensor in ``replica``'s request arena, sent without a copy (``Replica.lend``)."""
+        return self._replicas[replica].lend(shape, dtype)
+
+    def _answers_due(self) -> bool:
+        """Under the role's lock (``ReaderRole.awaiting``): whether answers are due on the ctl ROUTER."""
+        return not self._startup.done or any(len(g.pending.table) for g in self._replicas if g.failed is None)
+
+    # -- failing -------------------------------------------------------------------------
+
+    def _fail(self, replica: Replica, reason: str, cause: BaseException | None = None,
+              suspects: tuple[RankState, ...] = (), grace_s: float = 0.0) -> None:
+        """Fail ``replica`` (once), blaming the first of ``suspects`` that exited (within ``grace_s``)
+        rather than ``reason``: its futures fail, its reaper stops its ranks, a start fails."""
+        if suspects:
+            dead = self._reaping.dead_rank(list(suspects), grace_s)
+            if dead is not None:
+                log.info("replica %d: %s, after its peer's death", replica.engine_replica, reason)
+                reason, cause = dead, None
+        if self._answers is not None and self._role.held_here():
+            self._answers.complete()  # answers that came in first win, as they would have unbatched
+        taken = replica.fail(reason)
+        if taken is None:
+            return
+        message = f"replica {replica.engine_replica} failed: {reason}"
+        log.error(message)
+        fail_futures(taken, message, cause)
+        self._role.wake()  # a caller reading finds its future failed
+        self._reaping.stop(replica.index, replica.ranks, False, functools.partial(_close_ring, replica))
+        if not self._startup.done:
+            error = WorkerStartupError(f"replica {replica.engine_replica} failed to start: {reason}")
+            error.__cause__ = cause
+            self._startup.finish(error)
+
+    # -- the link thread's end ---------------------------------------------------------
+
+    def tick(self, now: float) -> float:
+        """Heartbeats and the start every heartbeat_interval_s / 2, request deadlines when due; the
+        rings flushed. When to tick next."""
+        if now >= self._next_check:
+            self._check_deadlines(now)
+            self._next_check = now + self.config.heartbeat_interval_s / 2
+        due, waiting = self._next_check, False
+        for group in self._replicas:
+            deadline = group.pending.peek_deadline()
+            if deadline is not None:
+                if deadline <= now:
+                    self._expire(group, now)
+                    deadline = group.pending.next_deadline()
+                due = min(due, deadline or due)
+            waiting = group.flush() or waiting
+        self.wake_at = due
+        return now + 0.002 if waiting else due
+
+    def _check_deadlines(self, now: float) -> None:
+        hb_timeout = self.config.heartbeat_timeout_s
+        for group in self._replicas:
+            # a starting rank may hold the GIL in its build: startup_timeout_s covers it
+            late = [r for r in group.ranks if r.ready and now - r.last_beat > hb_timeout]
+            if late and group.failed is None:
+                self._fail(group, f"rank {late[0].rank} sent no heartbeat for {now - late[0].last_beat:.1f} s "
+                                  f"(heartbeat_timeout_s={hb_timeout})")
+        self._startup.check_timeout(self._started, now)
+
+    def _expire(self, group: Replica, now: float) -> None:
+        entry = group.pending.earliest()
+        if entry is not None and entry.deadline is not None and entry.deadline <= now:
+            self._fail(group, f"execution timeout {self.config.execution_timeout_s} s after submission "
+                              f"(request {entry.key})")
+
+    def poll_items(self) -> list[tuple[Any, Callable[[], None]]]:
+        role, answers = self._role, self._answers
+        with role.lock:
+            self._reading = role.held_here() or (self._answers_due() and role.take_locked())
+        items = [(self._hb, functools.partial(answers.take_beats, self._hb))]
+        items += [(fd, functools.partial(self._rank_exited, fd)) for fd in self._sentinels]
+        if self._reading:
+            items.append((self._router, answers.take))
+        return items
+
+    def _rank_exited(self, fd: int) -> None:
+        r = self._sentinels.pop(fd)
+        os.close(fd)
+        group = self._replicas[r.replica]
+        if group.failed is None:
+            self._fail(group, f"rank {r.rank} exited", suspects=(r,))
+
+    def after_poll(self) -> None:
+        role, answers = self._role, self._answers
+        if not self._reading and any(g.frees for g in self._replicas) and role.take():
+            self._reading = True  # give result blocks back to their ranks (a caller reading sends them itself)
+        if not self._reading:
+            return
+        answers.after_poll()
+        with role.lock:
+            idle = not self._answers_due()
+        if idle:
+            role.leave()  # hands on (wakes this thread) if a submit came in since
+
+    def broken(self, exc: BaseException) -> None:
+        for group in self._replicas:  # no caller may wait forever
+            self._fail(group, f"the supervisor's I/O thread failed: {exc!r}")
+        self._startup.finish(WorkerStartupError(f"the supervisor's I/O thread failed: {exc!r}"))
+
+    def shut(self) -> None:
+        if self._role.held_here():
+            self._answers.complete()  # answers that came in before a close
+        self._role.leave(hand_on=False)
+        self._close_sentinels()
+
+    def _close_sentinels(self) -> None:
+        while self._sentinels:
+            os.close(self._sentinels.popitem()[0])
+
+    # -- closing ------------------------------------------------------------------------
 
     def close(self) -> None:
         """Fail pending requests, stop every rank, remove the run directory and segments."""
@@ -174,30 +298,38 @@ class WorkerSupervisor:
                 return
             self._closed = True
         self._role.close()  # nobody takes the reader role from now on; a reading caller is woken
-        if self._watch is not None:
-            self._watch.stop()
-        # pending futures fail first: a caller reading for one then gives the role up
-        serving = [group for group in self._groups if self._failures.close_group(group)]
+        if not self._link.stop():
+            log.error("the supervisor's link thread did not stop")
+        self._close_sentinels()  # (the thread's, when it never ran)
+        serving = []
+        for group in self._replicas:  # pending futures fail first: a caller reading gives the role up
+            was_serving, taken = group.close(CLOSED)
+            fail_futures(taken, CLOSED, None)
+            if was_serving:
+                serving.append(group)
         if not self._role.wait_released(10.0):
             log.error("a thread still reads the supervisor's socket at close")
         for group in serving:  # its ranks are told to shut down (nobody reads: the ROUTER is ours)
-            if self._answers is not None:
-                self._answers.send_shutdown(group)
-            self._reaping.stop(group, {}, CLOSED, None, polite=True)
+            group.send_shutdown()
+            self._reaping.stop(group.index, group.ranks, True, functools.partial(_close_ring, group))
         self._reaping.join_all()
         self._spawner.stop()  # only now: its end SIGKILLs any rank it started
         self._release_resources()
 
     def _release_resources(self) -> None:
-        for group in self._groups:
+        for group in self._replicas:
             group.arena.close()
-            if group.ring is not None:
-                group.ring.close()
+            _close_ring(group)
         self._mapper.close()
         for sock in self._sockets:
             sock.close(0)
-        self._wakeup.close()
+        self._link.dispose()
         self._role.dispose()
         self._ctx.term()
         shutil.rmtree(self.run_dir, ignore_errors=True)
         sweep_run(self.run_id)
+
+
+def _close_ring(replica: Replica) -> None:
+    if replica.ring is not None:
+        replica.ring.close()  # nobody reads it any more

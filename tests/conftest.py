@@ -161,7 +161,7 @@ def supervisor_of(engine: Any) -> Any:
 
 
 def group_pids(engine: Any, replica: int) -> list[int]:
-    return [r.process.pid for r in supervisor_of(engine)._groups[replica].ranks]
+    return [r.process.pid for r in supervisor_of(engine)._replicas[replica].ranks]
 
 
 def _port_free(port: int) -> bool:
@@ -242,7 +242,7 @@ def start_engine(plugin: str = "tests.plugins:TPProbe", *, parallel: Any = None,
 def close_engine(engine: Any) -> None:
     """Close ``engine`` and check that its ranks, run directory and segments are gone."""
     sup = supervisor_of(engine)
-    pids = [r.process.pid for g in sup._groups for r in g.ranks]
+    pids = [r.process.pid for g in sup._replicas for r in g.ranks]
     try:
         engine.close()
     finally:
@@ -257,7 +257,7 @@ def allowed_children() -> set[int]:
     allowed = set()
     for engine in LIVE.values():
         sup = supervisor_of(engine)
-        for status, group in zip(engine.replicas, sup._groups):
+        for status, group in zip(engine.replicas, sup._replicas):
             if status.healthy:
                 allowed.update(r.process.pid for r in group.ranks)
     return allowed

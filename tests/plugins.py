@@ -88,6 +88,31 @@ class Batching(Entry):
         return BatchingRunner()
 
 
+class CountingRunner:
+    """Counts the requests it ran and says so in ``info()`` (with one non-number, which metrics skip);
+    ``{"break_info": True}`` makes every later ``info()`` raise."""
+
+    def __init__(self, rank: int) -> None:
+        self.requests, self.rank, self.broken = 0, rank, False
+
+    def execute(self, request: Any) -> Any:
+        self.requests += 1
+        self.broken = self.broken or (isinstance(request, dict) and request.get("break_info") is True)
+        return request
+
+    def info(self) -> dict[str, Any]:
+        if self.broken:
+            raise RuntimeError("info() broke on purpose")
+        return {"requests": self.requests, "rank": self.rank, "kind": "counting"}
+
+
+class Counting(Entry):
+    name = "counting"
+
+    def build(self, ctx, plugin_args):
+        return CountingRunner(ctx.rank)
+
+
 # --------------------------------------------------------------------------- local (multi-rank) probes
 
 
@@ -374,7 +399,7 @@ class KillProbeRunner(TPProbeRunner):
                 of the chosen rank kills it ``after_s`` into the loop (or ``after_s`` after
                 the file ``die_when`` appears), i.e. inside a collective
     encode      the output rank returns a ``LethalArray`` (dies while its reply is encoded);
-                a non-output rank dies while encoding its (result-less) "done"
+                a non-output rank encodes no reply, so the case does not apply to it
     decode      arms the chosen rank: it dies while decoding the NEXT request (once the
                 file ``die_when`` exists, if given)
     idle        arms a thread of the chosen rank that kills it ``after_s`` after this

@@ -117,16 +117,16 @@ def test_bad_payloads_fail_in_the_caller(client):
 @pytest.mark.timeout(60)
 def test_large_tensors_go_through_shared_memory_and_leave_no_names(client):
     big = np.random.default_rng(1).standard_normal((512, 1024)).astype(np.float32)  # 2 MiB
-    assert wait_until(lambda: client._session is not None and client._session.result_mapper is not None, 10)
+    assert wait_until(lambda: client._session is not None and client._session.mapper is not None, 10)
     for _ in range(3):
         result = client.call({"image": big, "small": np.ones(4, np.float32)}, timeout=30)
         np.testing.assert_array_equal(result["image"], big)
     session = client._session
-    assert session.arena is not None and session.registered  # inputs went by shared memory
-    assert session.result_mapper.segments  # and results came back that way
+    assert session.arena is not None and session.announced  # inputs went by shared memory
+    assert session.mapper.segments  # and results came back that way
     # every name was unlinked once mapped: a crash of either side now leaks nothing
     assert [n for n in os.listdir("/dev/shm") if session.run_id in n] == []
-    result_run = session.result_mapper.run_id
+    result_run = session.mapper.run_id
     assert wait_until(lambda: [n for n in os.listdir("/dev/shm") if result_run in n] == [], 5)
 
 
@@ -138,7 +138,7 @@ import numpy as np
 from runtime.client import Client
 c = Client({echo.address!r})
 deadline = time.monotonic() + 10
-while (c._session is None or c._session.result_mapper is None) and time.monotonic() < deadline:
+while (c._session is None or c._session.mapper is None) and time.monotonic() < deadline:
     time.sleep(0.01)
 big = np.ones((1024, 512), np.float32)
 assert (c.call({{"x": big}}, timeout=30)["x"] == big).all()
@@ -215,7 +215,7 @@ def inline_echo(tmp_path):
 
 def _shm_client(server, client: Client):
     """The server's ``ClientShm`` of ``client``, once both sides registered."""
-    assert wait_until(lambda: client._session is not None and client._session.result_mapper is not None, 10)
+    assert wait_until(lambda: client._session is not None and client._session.mapper is not None, 10)
     run_id = client._session.run_id
     assert wait_until(lambda: any(c.run_id == run_id for c in list(server._shm._clients.values())), 5)
     return next(c for c in list(server._shm._clients.values()) if c.run_id == run_id)
@@ -233,9 +233,9 @@ def test_a_shm_result_is_a_view_of_its_block_held_until_collected(inline_echo):
         result = client.call({"x": big}, timeout=30)["x"]
         np.testing.assert_array_equal(result, big)
         assert not result.flags.owndata and result.flags.writeable  # a view, and the caller may write to it
-        (segment, offset), = dict(shm._outstanding)  # the server holds its one block for us
+        (segment, offset), = dict(shm.session._outstanding)  # the server holds its one block for us
         # no copy: the array is that very block (a write shows in the server's own mapping of it)
-        server_side = np.frombuffer(shm._arena._segments[segment].mm, np.float64, count=4, offset=offset)
+        server_side = np.frombuffer(shm.session.arena._segments[segment].mm, np.float64, count=4, offset=offset)
         result[:4] = -1.0
         assert server_side.tolist() == [-1.0] * 4
         del server_side
@@ -244,14 +244,14 @@ def test_a_shm_result_is_a_view_of_its_block_held_until_collected(inline_echo):
         del result
         client.ping()  # messages and heartbeats go by: nothing to release yet
         time.sleep(0.6)
-        assert (segment, offset) in shm._outstanding
+        assert (segment, offset) in shm.session._outstanding
         np.testing.assert_array_equal(part, big[100:200])
         del part  # the last array over the block: released with the next heartbeat
-        assert wait_until(lambda: not shm._outstanding, 5), dict(shm._outstanding)
+        assert wait_until(lambda: not shm.session._outstanding, 5), dict(shm.session._outstanding)
 
         # and the server reuses it: the next result lands in the same block
         again = client.call({"x": big}, timeout=30)["x"]
-        assert dict(shm._outstanding) == {(segment, offset): big.nbytes}
+        assert dict(shm.session._outstanding) == {(segment, offset): big.nbytes}
         np.testing.assert_array_equal(again, big)
 
 
@@ -264,16 +264,16 @@ def test_torch_shm_results_keep_their_block_too(inline_echo):
         shm = _shm_client(inline_echo, client)
         result = client.call({"x": x, "half": half}, timeout=30)
         assert torch.equal(result["x"], x) and torch.equal(result["half"], half)
-        assert len(shm._outstanding) == 2
+        assert len(shm.session._outstanding) == 2
         kept_x, kept_half = result["x"][::2], result["half"].view(torch.int16)
         del result
         time.sleep(0.6)
-        assert len(shm._outstanding) == 2  # the torch tensors (and views of them) hold their blocks
+        assert len(shm.session._outstanding) == 2  # the torch tensors (and views of them) hold their blocks
         del kept_x
-        assert wait_until(lambda: len(shm._outstanding) == 1, 5)
+        assert wait_until(lambda: len(shm.session._outstanding) == 1, 5)
         assert torch.equal(kept_half, half.view(torch.int16))
         del kept_half
-        assert wait_until(lambda: not shm._outstanding, 5)
+        assert wait_until(lambda: not shm.session._outstanding, 5)
 
 
 @pytest.mark.timeout(120)
@@ -289,26 +289,26 @@ def test_dropped_results_are_released_and_shared_memory_does_not_grow(inline_ech
                 assert client.call({"x": big, "i": i}, timeout=30)["x"][0, 0] == i  # dropped at once
 
         round_trips(10, 0)
-        capacity = shm._arena.capacity
+        capacity = shm.session.arena.capacity
         round_trips(60, 10)
         # the same blocks, over and over: no growth with the number of calls. (A block's release
         # rides with the next message once its result is collected; on a loaded machine the
         # thread that completed the call may still hold the result when the caller sends its
         # next request, so the arena may grow once by a segment, never per call.)
-        assert shm._arena.capacity <= 3 * capacity
-        grown = shm._arena.capacity
+        assert shm.session.arena.capacity <= 3 * capacity
+        grown = shm.session.arena.capacity
         round_trips(60, 70)
-        assert shm._arena.capacity <= max(grown, 3 * capacity)
-        assert len(shm._arena.segments) <= 2 and len(client._session.result_mapper.segments) <= 2
+        assert shm.session.arena.capacity <= max(grown, 3 * capacity)
+        assert len(shm.session.arena.segments) <= 2 and len(client._session.mapper.segments) <= 2
         # a few held at once (the arena grows for them), then dropped: all of them come back
         held = [client.call({"x": big}, timeout=30)["x"] for _ in range(3)]
-        assert len(shm._outstanding) == 3
+        assert len(shm.session._outstanding) == 3
         del held
         client.ping()  # the release rides with this message
-        assert wait_until(lambda: not shm._outstanding, 5), dict(shm._outstanding)
-        capacity = shm._arena.capacity
+        assert wait_until(lambda: not shm.session._outstanding, 5), dict(shm.session._outstanding)
+        capacity = shm.session.arena.capacity
         round_trips(30, 200)
-        assert shm._arena.capacity <= 3 * capacity
+        assert shm.session.arena.capacity <= 3 * capacity
         # every name went once mapped: nothing of this client is named in /dev/shm
         assert wait_until(lambda: _phyrt_names(client_run, result_run) == [], 5), _phyrt_names(client_run,
                                                                                                result_run)
@@ -334,7 +334,7 @@ server.start()
 big = np.random.default_rng(3).standard_normal((512, 1024))  # 4 MiB
 with Client(server.address) as client, Client(server.address, tensor_type="torch") as torch_client:
     for c in (client, torch_client):
-        assert wait_until(lambda: c._session is not None and c._session.result_mapper is not None, 10)
+        assert wait_until(lambda: c._session is not None and c._session.mapper is not None, 10)
     kept = client.call({{"x": big}}, timeout=30)["x"]
     kept_torch = torch_client.call({{"x": torch.from_numpy(big)}}, timeout=30)["x"]
     assert not kept.flags.owndata
@@ -534,7 +534,7 @@ def test_server_death_fails_in_flight_requests_and_a_restart_is_reconnected(tmp_
     client = Client(address, heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0)
     second = None
     try:
-        assert wait_until(lambda: client._session is not None and client._session.result_mapper is not None, 10)
+        assert wait_until(lambda: client._session is not None and client._session.mapper is not None, 10)
         big = np.ones((1024, 256), np.float32)
         assert (client.call({"x": big}, timeout=30)["x"] == big).all()
         running = tmp_path / "running"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from runtime.core.errors import ProtocolError
-from runtime.transport import codec
+from runtime.transport import codec, tensor_fields
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -27,32 +27,32 @@ def _default():
 # --------------------------------------------------------------------------- dtypes
 
 
-@pytest.mark.parametrize("name", sorted(codec.NP_CODES))
+@pytest.mark.parametrize("name", sorted(tensor_fields.NP_CODES))
 def test_numpy_dtypes_round_trip_through_their_wire_names(name):
-    arr = (np.arange(6) % 2).astype(codec.NP_DTYPES[name]).reshape(2, 3)
-    assert codec.NP_NAMES[arr.dtype] == name and codec.ITEMSIZE[name] == arr.itemsize
+    arr = (np.arange(6) % 2).astype(tensor_fields.NP_DTYPES[name]).reshape(2, 3)
+    assert tensor_fields.NP_NAMES[arr.dtype] == name and tensor_fields.ITEMSIZE[name] == arr.itemsize
     got = codec.leaf("{}", lambda _, t, n: (n, t), None, arr)
     assert got[0] == name and got[1] is arr
     raw = bytearray(arr.tobytes())
-    out = codec.build(raw, name, [2, 3], 6, "numpy")
+    out = tensor_fields.build(raw, name, [2, 3], 6, "numpy")
     assert out.dtype == arr.dtype and np.array_equal(out, arr)
     out[0, 0] = 1  # a view over the buffer
     assert raw[:arr.itemsize] == np.ones(1, arr.dtype).tobytes()
 
 
-@pytest.mark.parametrize("name", sorted(codec.ITEMSIZE))
+@pytest.mark.parametrize("name", sorted(tensor_fields.ITEMSIZE))
 def test_torch_dtypes_round_trip_through_their_wire_names(name):
     t = (torch.arange(6) % 2).to(getattr(torch, name)).reshape(2, 3)
     assert codec.leaf("{}", lambda _, x, n: n, None, t) == name
-    assert codec.ITEMSIZE[name] == t.element_size()
+    assert tensor_fields.ITEMSIZE[name] == t.element_size()
     raw = bytearray(t.contiguous().view(torch.uint8).numpy().tobytes())
-    assert torch.equal(codec.build(raw, name, [2, 3], 6, "torch"), t)
-    assert codec.build(bytearray(), name, [0, 3], 0, "torch").shape == (0, 3)
+    assert torch.equal(tensor_fields.build(raw, name, [2, 3], 6, "torch"), t)
+    assert tensor_fields.build(bytearray(), name, [0, 3], 0, "torch").shape == (0, 3)
 
 
 def test_bfloat16_is_torch_only_on_decoding():
     with pytest.raises(ProtocolError, match="bfloat16 has no numpy dtype"):
-        codec.build(bytearray(4), "bfloat16", [2], 2, "numpy")
+        tensor_fields.build(bytearray(4), "bfloat16", [2], 2, "numpy")
 
 
 def test_big_endian_arrays_travel_little_endian_and_other_dtypes_are_refused():
@@ -61,15 +61,15 @@ def test_big_endian_arrays_travel_little_endian_and_other_dtypes_are_refused():
     assert name == "int32" and le.dtype == np.dtype("<i4") and np.array_equal(le, be)
     refused = (np.zeros(2, np.complex64), np.zeros(2, ">c8"), np.zeros(2, np.uint32), torch.zeros(2, dtype=torch.complex64))
     for bad in refused:
-        with pytest.raises(codec.Unencodable, match="not allowed on the wire and cannot be sent") as info:
+        with pytest.raises(tensor_fields.Unencodable, match="not allowed on the wire and cannot be sent") as info:
             codec.leaf("{}", lambda *_: None, None, bad)
         assert info.value.obj is bad
 
 
 def test_bool_bytes_other_than_0_and_1_are_refused():
     with pytest.raises(ProtocolError, match="other than 0 and 1"):
-        codec.build(bytearray(b"\x00\x02"), "bool", [2], 2, "numpy")
-    assert codec.build(bytearray(b"\x00\x01"), "bool", [2], 2, "numpy").tolist() == [False, True]
+        tensor_fields.build(bytearray(b"\x00\x02"), "bool", [2], 2, "numpy")
+    assert tensor_fields.build(bytearray(b"\x00\x01"), "bool", [2], 2, "numpy").tolist() == [False, True]
 
 
 # --------------------------------------------------------------------------- field checks
@@ -77,27 +77,27 @@ def test_bool_bytes_other_than_0_and_1_are_refused():
 
 @pytest.mark.parametrize("dims, below, ok", [
     ([0, 3], 4, True), ([4], 4, False), ([-1], 4, False), ([True], 4, False), ([1.0], 4, False),
-    ("1", 4, False), ([1] * (codec.MAX_NDIM + 1), 4, False), ([2**44], 2**44 + 1, True), ([2**40], 2**40, False),
+    ("1", 4, False), ([1] * (tensor_fields.MAX_NDIM + 1), 4, False), ([2**44], 2**44 + 1, True), ([2**40], 2**40, False),
 ])
 def test_check_dims_bounds_each_entry(dims, below, ok):
     if ok:
-        assert codec.check_dims(dims, "shape", below) == dims
+        assert tensor_fields.check_dims(dims, "shape", below) == dims
     else:
         with pytest.raises(ProtocolError, match="tensor shape"):
-            codec.check_dims(dims, "shape", below)
+            tensor_fields.check_dims(dims, "shape", below)
 
 
 def test_error_messages_name_the_bound_and_clip_the_value():
     with pytest.raises(ProtocolError, match=r"in \[0, 2\*\*40\), got \[1099511627776\]"):
-        codec.check_dims([2**40], "shape", 2**40)
+        tensor_fields.check_dims([2**40], "shape", 2**40)
     with pytest.raises(ProtocolError, match=r"in \[0, 2\*\*44\]"):
-        codec.check_dims([2**44 + 1], "shape", 2**44 + 1)
+        tensor_fields.check_dims([2**44 + 1], "shape", 2**44 + 1)
     with pytest.raises(ProtocolError) as info:
-        codec.check_dtype("x" * 10_000)
-    assert len(str(info.value)) == codec.CLIP
+        tensor_fields.check_dtype("x" * 10_000)
+    assert len(str(info.value)) == tensor_fields.CLIP
     with pytest.raises(ProtocolError, match="needs 8 bytes, frame 0 has 7"):
-        codec.check_nbytes("float32", [2], 7, "frame 0 has")
-    assert codec.check_nbytes("float32", [2], 8) == 2
+        tensor_fields.check_nbytes("float32", [2], 7, "frame 0 has")
+    assert tensor_fields.check_nbytes("float32", [2], 8) == 2
 
 
 @pytest.mark.parametrize("segment, offset, match", [
@@ -106,8 +106,8 @@ def test_error_messages_name_the_bound_and_clip_the_value():
 ])
 def test_check_placement_names_the_offending_value(segment, offset, match):
     with pytest.raises(ProtocolError, match=match):
-        codec.check_placement(segment, offset, "float32")
-    codec.check_placement("s", 8, "float32")
+        tensor_fields.check_placement(segment, offset, "float32")
+    tensor_fields.check_placement("s", 8, "float32")
 
 
 # --------------------------------------------------------------------------- decoding

@@ -130,7 +130,7 @@ class ReplicaPool:
             self.start_s.append(seconds)
             sup = supervisor_of(engine)
             self._pipes = [(r.process.sentinel, os.fstat(r.process.sentinel).st_ino)
-                           for g in sup._groups for r in g.ranks]
+                           for g in sup._replicas for r in g.ranks]
             healthy = self._healthy()
         victim, witness = healthy[0], healthy[-1]
         self.used.add(victim)
@@ -434,7 +434,7 @@ def test_a_submit_racing_a_rank_death_neither_blocks_nor_wedges_the_engine():
     victim, witness = 0, 1
     pids = group_pids(engine, victim)
     # the lock the I/O thread takes after completing a witness's request: watched, to see it wait
-    busy = sup._groups[witness].arena_lock = WatchedLock()
+    busy = sup._replicas[witness].arena_lock = WatchedLock()
     outcome: dict[str, Any] = {}
 
     def submit() -> None:

@@ -307,10 +307,10 @@ def test_the_client_ends_a_stream_whose_chunks_have_a_gap():
     from runtime.client import server_errors
     from runtime.client.client import ClientStream
     from runtime.link.awaited import Awaited, Request
-    from runtime.link.session import ShmSessions
+    from runtime.link.session import CurrentSession
     from runtime.transport.protocol import pack_header
 
-    replies = Awaited("ipc:///nonexistent", "numpy", ShmSessions(False, 0, list.append), server_errors)
+    replies = Awaited("ipc:///nonexistent", "numpy", CurrentSession(False, 0, list.append), server_errors)
     stream = ClientStream("ipc:///nonexistent", 5.0)
     future: Future = Future()
     replies.table.add(Request(3, future, "submit", time.monotonic(), stream=stream.state))

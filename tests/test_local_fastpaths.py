@@ -48,7 +48,7 @@ def submit_to(engine: Any, replica: int, request: dict) -> Future:
 
 
 def arena_blocks_in_use(engine: Any) -> int:
-    return sum(len(seg.used) for g in supervisor_of(engine)._groups for seg in g.arena._segments.values())
+    return sum(len(seg.used) for g in supervisor_of(engine)._replicas for seg in g.arena._segments.values())
 
 
 @pytest.mark.usefixtures("no_leaks")
@@ -88,7 +88,7 @@ def test_a_submit_racing_a_one_rank_groups_death_neither_blocks_nor_is_lost():
     victim, witness = 0, 1
     [pid] = group_pids(engine, victim)
     # the lock the I/O thread takes after completing a witness's request: watched, to see it wait
-    busy = sup._groups[witness].arena_lock = WatchedLock()
+    busy = sup._replicas[witness].arena_lock = WatchedLock()
     outcome: dict[str, Any] = {}
 
     def submit() -> None:
@@ -178,15 +178,15 @@ def local_engine(**settings: Any) -> Iterator[Any]:
 def stall_io_thread(sup: Any) -> tuple[threading.Event, threading.Event]:
     """Make the supervisor's I/O thread block at its next deadline check (it checks every
     heartbeat_interval_s / 2) until the returned ``release`` is set; ``stuck`` is set once it blocks."""
-    release, stuck, check = threading.Event(), threading.Event(), sup._watch.check_deadlines
+    release, stuck, check = threading.Event(), threading.Event(), sup._check_deadlines
 
-    def stalled(started: float) -> None:
-        if threading.get_ident() == sup._watch.ident:
+    def stalled(now: float) -> None:
+        if threading.get_ident() == sup._link.thread.ident:
             stuck.set()
             release.wait(60)
-        check(started)
+        check(now)
 
-    sup._watch.check_deadlines = stalled
+    sup._check_deadlines = stalled
     return release, stuck
 
 
@@ -314,7 +314,7 @@ def test_a_step_whose_request_failed_before_it_waited_leaves_the_reading_to_othe
         [pid] = group_pids(engine, 0)
         # the I/O thread takes the role a moment to give result blocks of the warm-up back: a
         # step takes it only when it is free
-        assert wait_until(lambda: sup._role.holder is None and not sup._answers.frees_waiting(), 10)
+        assert wait_until(lambda: sup._role.holder is None and not any(g.frees for g in sup._replicas), 10)
         victim.reserve()
         slot = victim.start_call({"op": "sleep", "s": 30.0})  # as Engine.step sends
         assert sup._role.holder == threading.get_ident()

@@ -117,7 +117,7 @@ def test_close_of_an_idle_engine_is_quick():
 def test_close_releases_a_rank_whose_exit_code_another_thread_collected(stored):
     engine = start_engine()  # one rank: the reaper has no other rank to stop
     sup = supervisor_of(engine)
-    rank = sup._groups[0].ranks[0]
+    rank = sup._replicas[0].ranks[0]
     popen = rank.process._popen
     pipe = (rank.process.sentinel, os.fstat(rank.process.sentinel).st_ino)
     with sup._reaping.lock:  # the I/O thread's dead_rank waits for this: nothing polls the rank meanwhile

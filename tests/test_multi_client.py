@@ -14,7 +14,6 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -243,16 +242,30 @@ class FakeClient:
         self.alive = True
         self.sent: list[Any] = []
         self.closed = False
-        state = SimpleNamespace(server_id="id-" + address, last_heard=time.monotonic(), unreachable=None)
-        self._replies = state  # what rotation reads: client._link.awaited
-        self._link = SimpleNamespace(awaited=state)
+        self._unreachable = None  # what the rotation reads at once
+        self._callbacks: list[Any] = []  # what it hears of failures by: Client._on_failure
+        self._timeout = kwargs.get("heartbeat_timeout_s", 5.0)
         self.made[address] = self
         threading.Thread(target=self._beat, daemon=True).start()
 
-    def _beat(self) -> None:  # heartbeats answered while alive
+    def _on_failure(self, callback: Any) -> None:
+        self._callbacks.append(callback)
+
+    def lose(self) -> None:
+        """Its monitor saw the connection drop: the link's failure callbacks run."""
+        for callback in self._callbacks:
+            callback(f"the connection to the server at {self.address} was lost")
+
+    def _beat(self) -> None:  # heartbeats answered while alive; silence past the timeout: a failure, once
+        heard, silent = time.monotonic(), False
         while not self.closed:
+            now = time.monotonic()
             if self.alive:
-                self._replies.last_heard = time.monotonic()
+                heard, silent = now, False
+            elif now - heard > self._timeout and not silent:
+                silent = True
+                for callback in self._callbacks:
+                    callback(f"no word from {self.address} for {now - heard:.1f} s (heartbeat_timeout_s)")
             time.sleep(0.05)
 
     def submit(self, payload: Any, *, timeout: float | None = None) -> Future:
@@ -272,7 +285,7 @@ class FakeClient:
             future.set_result({"accepting": True, "replicas": [{"healthy": self.healthy, "error": None if
                                                                 self.healthy else "replica 0 failed"}]})
         else:
-            future.set_result({"server_id": self._replies.server_id})
+            future.set_result({"server_id": "id-" + self.address})
         return future
 
     def close(self) -> None:
@@ -312,7 +325,7 @@ def test_missed_heartbeats_and_a_lost_connection_take_a_server_out(fake):
     x.alive = False  # silent
     assert wait_until(lambda: states(client)["tcp://x:1"] == DOWN, 5)
     assert "heartbeat_timeout_s" in client.info()["servers"][0]["cause"]
-    y._replies.server_id = None  # its monitor saw the connection drop
+    y.lose()  # its monitor saw the connection drop
     with pytest.raises(ServerUnavailableError) as raised:
         client.submit({"n": 1})
     assert "lost" in raised.value.causes["tcp://y:1"] and "heartbeat" in raised.value.causes["tcp://x:1"]

@@ -122,3 +122,16 @@ def test_peek_deadline_reads_the_heap_without_the_lock_and_may_see_an_answered_e
         assert table.peek_deadline() == 1.0  # the answered entry is still on top
     assert table.expired(2.0) == []  # and nothing is due for it
     assert table.peek_deadline() == 5.0
+
+
+def test_earliest_names_the_unclaimed_entry_due_first_without_claiming_it():
+    table: PendingTable[Entry] = PendingTable()
+    assert table.earliest() is None
+    late, early, none = Entry("late", 5.0), Entry("early", 1.0), Entry("none")
+    for entry in (late, early, none):
+        table.add(entry)
+    assert table.earliest() is early and not early.claimed
+    assert table.claim("early") is early
+    assert table.earliest() is late and table.next_deadline() == 5.0
+    assert [e.key for e in table.take_all()] == ["late", "none"]
+    assert table.earliest() is None

@@ -28,7 +28,7 @@ import torch
 from runtime.client.server_errors import InvalidRequestError
 from runtime.client import server_errors
 from runtime.link.awaited import Awaited, Request
-from runtime.link.session import ShmSessions
+from runtime.link.session import CurrentSession
 from runtime.link import client_protocol as cp
 from runtime.link.client_protocol import (HEADER_FIELDS, HEARTBEAT, PROTOCOL_VERSION, SUBMIT_REPLY_PREFIX,
                                           control_header, submit_message)
@@ -147,7 +147,7 @@ def test_the_servers_error_reply_is_the_pages_bytes(server):
 
 def _client_reads(frames: list[bytes]) -> Future:
     """The Python client's reply handling, given the reply to its submit 8."""
-    replies = Awaited("ipc:///nonexistent/phyrt.sock", "numpy", ShmSessions(False, 0, list.append), server_errors)
+    replies = Awaited("ipc:///nonexistent/phyrt.sock", "numpy", CurrentSession(False, 0, list.append), server_errors)
     future: Future = Future()
     replies.table.add(Request(8, future, "submit", time.monotonic()))
     done: list = []

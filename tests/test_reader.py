@@ -195,7 +195,7 @@ def test_a_callback_of_the_reader_that_waits_reads_nested_and_keeps_the_role(cha
 
 
 def test_a_role_taken_before_the_send_is_kept_and_given_up_by_the_wait(channel):
-    """As ``supervisor.channel.start_call`` does: the caller takes the free role, then sends."""
+    """As ``WorkerSupervisor.start_call`` does: the caller takes the free role, then sends."""
     assert channel.role.take_free()
     assert not channel.role.take_free()  # held (by this very thread: its wait re-enters)
     assert channel.role.held_here()

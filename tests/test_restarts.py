@@ -41,6 +41,9 @@ class StandInSupervisor:
     def group_error(self, group: int) -> str | None:
         return self.failed[group]
 
+    def plugin_info(self, group: int) -> dict | None:
+        return None
+
     def on_group_failure(self, group: int, callback) -> None:
         self.listeners.setdefault(group, []).append(callback)
 

@@ -89,7 +89,7 @@ def test_answers_match_the_inline_policy(server, inline_policy):
                 actions = future.result(60)["actions"]
                 assert actions.shape == (batch, 8, 7) and actions.dtype == np.float32
                 np.testing.assert_allclose(actions, inline_policy(obs), atol=1e-5)
-        assert client._session is not None and client._session.registered
+        assert client._session is not None and client._session.announced
 
 
 @pytest.mark.timeout(180)
@@ -596,7 +596,7 @@ def test_shared_memory_requests_with_releases_run_where_they_were_received(inlin
     image = np.arange(1 << 18, dtype=np.uint8).reshape(512, 512)  # 256 KiB: shared memory both ways
     with Client(inline_server.address, heartbeat_interval_s=60.0, heartbeat_timeout_s=120.0) as client:
         assert client.call({"warm": 1}, timeout=30) == {"warm": 1}  # read with the client's first ping
-        assert wait_until(lambda: client._session is not None and client._session.result_mapper is not None, 10)
+        assert wait_until(lambda: client._session is not None and client._session.mapper is not None, 10)
         for i in range(10):
             result = client.call({"image": image, "i": i}, timeout=30)
             assert result["i"] == i and np.array_equal(result["image"], image)
@@ -619,16 +619,16 @@ def test_dropped_results_are_given_back_in_the_next_submit_and_a_bad_release_fie
     image = np.arange(1 << 18, dtype=np.uint8).reshape(512, 512)  # 256 KiB: shared memory both ways
     with Client(inline_server.address, heartbeat_interval_s=60.0, heartbeat_timeout_s=120.0) as client:
         assert client.call({"warm": 1}, timeout=30) == {"warm": 1}
-        assert wait_until(lambda: client._session is not None and client._session.result_mapper is not None, 10)
+        assert wait_until(lambda: client._session is not None and client._session.mapper is not None, 10)
         shm = next(iter(inline_server._shm._clients.values()))
         for i in range(20):
             result = client.call({"image": image, "i": i}, timeout=30)
             assert np.array_equal(result["image"], image)
             del result
             # the one just dropped; the rest came back with submits (freed just after each reply went out)
-            assert wait_until(lambda: len(shm._outstanding) == 1, 5), shm._outstanding
+            assert wait_until(lambda: len(shm.session._outstanding) == 1, 5), shm.session._outstanding
         assert ops.count("submit") == 21 and "release" not in ops, ops
-        assert len(shm._arena.segments) == 1
+        assert len(shm.session.arena.segments) == 1
 
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -641,12 +641,12 @@ def test_dropped_results_are_given_back_in_the_next_submit_and_a_bad_release_fie
                 assert reply["id"] == i and reply["ok"] is False, reply
                 assert reply["error"]["type"] == "InvalidRequest" and "release" in reply["error"]["message"]
             # well-formed, but not this connection's blocks (it registered none): answered, nothing freed
-            (key, nbytes), = list(shm._outstanding.items()) or [(None, None)]
+            (key, nbytes), = list(shm.session._outstanding.items()) or [(None, None)]
             sock.send(msgpack.packb({"v": 1, "op": "submit", "id": 9, "payload": {"i": 9},
                                      "release": [list(key) if key else ["x", 0], [1, 2], "junk"]}))
             assert sock.poll(10_000)
             assert msgpack.unpackb(sock.recv()) == {"v": 1, "op": "submit", "id": 9, "ok": True, "result": {"i": 9}}
         finally:
             sock.close(0)
-        assert len(shm._outstanding) == 1  # another connection cannot give back this client's block
+        assert len(shm.session._outstanding) == 1  # another connection cannot give back this client's block
         assert client.call({"i": 10}, timeout=30) == {"i": 10}

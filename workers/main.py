@@ -94,15 +94,22 @@ class _Heartbeat:
         self._socket.setsockopt(zmq.IDENTITY, identity)
         self._socket.connect(address)
         self._interval = interval
+        #: the output rank's EngineCore once built: its ``info_snapshot`` rides on the beats
+        self.core: Any = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="phyrt-heartbeat", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        beat = 0
+        beat, sent = 0, None
         try:
             while not self._stop.is_set():
-                self._socket.send(wire.pack_message(rp.HB, beat), copy=False)
+                info = self.core.info_snapshot if self.core is not None else None
+                if info is not None and info is not sent:  # a new snapshot rides on this beat
+                    message, sent = wire.pack_message(rp.HB, beat, info=info), info
+                else:
+                    message = wire.pack_message(rp.HB, beat)
+                self._socket.send(message, copy=False)
                 beat += 1
                 self._stop.wait(self._interval)
         finally:
@@ -134,6 +141,8 @@ def main(bootstrap: bytes) -> None:
             code = 1
             return
         ctl.send(wire.pack_message(rp.READY, rank, segments=arena.segments if arena is not None else []))
+        if arena is not None:  # the output rank
+            heartbeat.core = core
         _serve(ctl, ring, core, arena, decoder=wire.TensorDecoder(mapper=mapper, allow_cuda_ipc=boot["target"] == "cuda"))
     except BaseException:
         traceback.print_exc()  # the supervisor sees the exit; the text goes to the log

@@ -245,6 +245,16 @@ class Client:
         if self._link.awaited.closed:
             raise ConnectionLostError(f"the client of {self.address} is closed")
 
+    def _on_failure(self, callback: Callable[[str], None]) -> None:
+        """``callback(reason)`` after each failure of the link (lost, restarted, refused, silent past
+        heartbeat_timeout_s), on the link's thread with no lock held (``Link.on_failure``)."""
+        self._link.on_failure(callback)
+
+    @property
+    def _unreachable(self) -> str | None:
+        """Why no server listens at the ipc:// path (None: one may)."""
+        return self._link.awaited.unreachable
+
     def _need_reader(self) -> None:
         """Replies are due: wake the link's thread to read them unless a thread reads already."""
         self._link.need_reader()

@@ -12,11 +12,13 @@ the request and its reply go straight between the caller and that server.
          ServerUnavailableError, ConnectionLostError included, takes the server out)
     info(): every server's ``info`` at once (a server not UP: a ping first), with its state in the
       rotation; an answer that shows a server serving puts it in the rotation, as a probe would
-    thread "phyrt-routing" (every ``min(0.1, heartbeat_interval_s / 2)`` s):
-      Rotation.check(): a lost connection or missed heartbeats take a server out;
-      a server out (or not yet answered) due for a probe: ping, then info (accepting,
-      a healthy replica) -> back in the rotation, else the next probe after a longer wait
-      ``refresh`` given: every ``refresh_interval_s`` its addresses replace the list
+    each server's link thread: its ``on_failure`` (lost, restarted, refused, no word for
+      heartbeat_timeout_s) -> Rotation.failed: out of the rotation at once
+    a LinkThread "phyrt-routing", its one end ``Timers`` ticking every
+    ``min(0.1, heartbeat_interval_s / 2)`` s: Rotation.check(); a server out (or not yet
+      answered) due for a probe: ping, then info (accepting, a healthy replica) -> back in
+      the rotation, else the next probe after a longer wait; ``refresh`` given: every
+      ``refresh_interval_s`` its addresses replace the list
 
 Invariants:
 - A request is never retried once sent: a server's failure fails its own in-flight
@@ -26,7 +28,7 @@ Invariants:
 - With no server in the rotation a request fails at once with ``ServerUnavailableError``,
   whose ``causes`` name each server's last cause.
 - Every future it returns is its server's own (``request_id``), with ``server`` (the address).
-- ``close()`` stops the thread, then closes every server's client (what is in flight fails
+- ``close()`` stops the timers' thread, then closes every server's client (what is in flight fails
   with ``ConnectionLostError``). A server dropped from the list by ``set_addresses`` is closed
   the same way at once.
 """
@@ -36,14 +38,14 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any, Callable, Sequence
 
 from runtime.client.server_errors import ServerUnavailableError
-from runtime.client.rotation import UP, Rotation, Server, serving_cause
+from runtime.client.rotation import UP, Rotation, Server, Timers
 from runtime.core.futures import resolve
+from runtime.link.link_thread import LinkThread
 
 __all__ = ["RoutingClient"]
 
@@ -72,8 +74,6 @@ class RoutingClient:
         self._rotation = Rotation(functools.partial(client_class, **client_kwargs), timeout)
         self._stream_type = getattr(client_class, "stream_type", None)  # Client's: its ClientStream
         self._refresh, self._refresh_interval = refresh, refresh_interval_s
-        self._period = min(0.1, interval / 2)
-        self._closing = threading.Event()
         self._close_lock = threading.Lock()
         self._closed = False
         try:
@@ -81,7 +81,9 @@ class RoutingClient:
         except BaseException:
             self._close_servers(self._rotation.servers)
             raise
-        self._thread = threading.Thread(target=self._watch, name="phyrt-routing", daemon=True)
+        self._thread = LinkThread("phyrt-routing")
+        self._thread.add(Timers(self._rotation, min(0.1, interval / 2), refresh and self._refresh_now,
+                                refresh_interval_s))
         self._thread.start()
 
     @property
@@ -161,7 +163,7 @@ class RoutingClient:
         gathered, futures = self._gather_info()
         wait_futures(list(futures.values()), timeout)
         if not gathered.done():
-            resolve(gathered, self._report(futures))
+            resolve(gathered, self._rotation.report_with(futures))
         return gathered.result()
 
     def close(self) -> None:
@@ -170,9 +172,8 @@ class RoutingClient:
             if self._closed:
                 return
             self._closed = True
-        self._closing.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(10)
+        if self._thread.stop():
+            self._thread.dispose()
         self._close_servers(self._rotation.servers)
 
     def set_addresses(self, addresses: Sequence[str]) -> None:
@@ -240,7 +241,8 @@ class RoutingClient:
         for server in list(self._rotation.servers):
             try:
                 if server.state != UP:  # answered before the info: its client then knows the server
-                    server.client._control_async("ping")
+                    server.client._control_async("ping").add_done_callback(
+                        functools.partial(self._pinged, server))
                 futures[server.address] = server.client._control_async("info")
             except Exception as exc:
                 futures[server.address] = failed = Future()
@@ -254,41 +256,15 @@ class RoutingClient:
                 remaining[0] -= 1
                 last = remaining[0] == 0
             if last:
-                resolve(gathered, self._report(futures))
+                resolve(gathered, self._rotation.report_with(futures))
 
         for future in futures.values():
             future.add_done_callback(one_done)
         return gathered, futures
 
-    def _report(self, futures: dict[str, Future]) -> dict[str, Any]:
-        for address, future in futures.items():  # an answer that shows a server serving: as a probe's
-            if future.done() and not future.cancelled() and future.exception() is None:
-                self._rotation.answered(address, future.result())
-        servers = self._rotation.report()
-        for entry in servers:
-            future = futures.get(entry["address"])
-            entry["info"], entry["error"] = None, None
-            if future is None or not future.done():
-                entry["error"] = "no answer in time"
-            elif future.exception() is not None:
-                entry["error"] = f"{type(future.exception()).__name__}: {future.exception()}"
-            else:
-                entry["info"] = future.result()
-        return {"servers": servers, "in_rotation": sum(e["in_rotation"] for e in servers)}
-
-    def _watch(self) -> None:
-        """The routing thread: health checks, probes and refreshes until ``close()``."""
-        next_refresh = time.monotonic() + self._refresh_interval
-        while not self._closing.wait(self._period):
-            try:
-                now = time.monotonic()
-                for server in self._rotation.check(now):
-                    self._probe(server)
-                if self._refresh is not None and now >= next_refresh:
-                    next_refresh = now + self._refresh_interval
-                    self._refresh_now()
-            except Exception:  # a bug here must not stop the probes of the other servers
-                log.exception("the routing client's check failed")
+    def _pinged(self, server: Server, future: Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self._rotation.heard(server)
 
     def _refresh_now(self) -> None:
         try:
@@ -303,32 +279,6 @@ class RoutingClient:
                 return
             removed = self._rotation.set_addresses(addresses)
         self._close_servers(removed)
-
-    def _probe(self, server: Server) -> None:
-        """ping, then info: back in the rotation if it accepts requests and has a healthy replica."""
-        def on_info(future: Future) -> None:
-            error = future.exception()
-            if error is not None:
-                self._rotation.probed(server, f"{type(error).__name__}: {error}")
-                return
-            self._rotation.probed(server, serving_cause(server.address, future.result()))
-
-        def on_ping(future: Future) -> None:
-            error = future.exception()
-            if error is not None:
-                self._rotation.probed(server, f"{type(error).__name__}: {error}")
-                return
-            self._send_probe(server, "info", on_info)
-
-        self._send_probe(server, "ping", on_ping)
-
-    def _send_probe(self, server: Server, op: str, then: Callable[[Future], None]) -> None:
-        try:
-            future = server.client._control_async(op)
-        except Exception as exc:  # closed, or the handshake refused: the next probe later
-            self._rotation.probed(server, f"{type(exc).__name__}: {exc}")
-            return
-        future.add_done_callback(then)
 
     def _close_servers(self, servers: list[Server]) -> None:
         for server in servers:

@@ -19,17 +19,28 @@ request through the runner's ``add_stream`` when it has one; ``step`` then also 
 ``(request_id, Partial(chunk), None)`` for it. ``cancel(request_id)`` reaches the runner's
 ``cancel`` only for a stream it still holds (the core keeps their ids until each is
 reported), and is a no-op otherwise.
+
+Plugin info: a runner may define ``info() -> dict`` (plain values: counters, rates, names; the
+qwen3 runner's prefix-cache and prefill figures). The core keeps a snapshot, ``info_snapshot``,
+taken on this rank's thread after a step (or run) at most every ``INFO_REFRESH_S`` while the
+runner works, and after the step that leaves it idle; other threads read the snapshot, never the
+runner (the inline replica's status; a rank's heartbeat carries it to the engine).
 """
 
 from __future__ import annotations
 
 import collections
+import logging
+import time
 from typing import Any
 
 from runtime.core.config import EngineConfig
 from runtime.core.plugins import BuildContext, Entry, Partial
 
 Completion = tuple[Any, Any, BaseException | None]
+#: the longest a working runner's ``info_snapshot`` is left unrefreshed
+INFO_REFRESH_S = 0.25
+log = logging.getLogger("phyrt.engine")
 
 
 def make_context(config: EngineConfig, *, rank: int = 0, world_size: int = 1,
@@ -79,6 +90,11 @@ class EngineCore:
         self._add_stream = add_stream if stepped and callable(add_stream) else None
         self._cancel = cancel if stepped and callable(cancel) else None
         self._streams: set[Any] = set()  # streamed ids the runner holds and may be told to cancel
+        info = getattr(self.runner, "info", None)
+        self._info = info if callable(info) else None
+        #: the runner's ``info()`` as of its last refresh (see the module docstring); None without one
+        self.info_snapshot: dict[str, Any] | None = None
+        self._info_at = float("-inf")
 
     def add(self, request_id: Any, request: Any, stream: bool = False) -> None:
         if not self.batching:
@@ -101,6 +117,12 @@ class EngineCore:
 
     def step(self) -> list[Completion]:
         """Advance the runner once; returns the requests that finished."""
+        done = self._step()
+        if self._info is not None:
+            self._refresh_info()
+        return done
+
+    def _step(self) -> list[Completion]:
         if self.batching:
             done = []
             streams = self._streams
@@ -119,9 +141,25 @@ class EngineCore:
     def run(self, request_id: Any, request: Any) -> list[Completion]:
         """``add`` then ``step`` in one call, for an executing runner with nothing admitted."""
         try:
-            return [(request_id, self.runner.execute(request), None)]
+            done = [(request_id, self.runner.execute(request), None)]
         except Exception as exc:  # a request-local failure: report it as data
-            return [(request_id, None, exc)]
+            done = [(request_id, None, exc)]
+        if self._info is not None:
+            self._refresh_info()
+        return done
+
+    def _refresh_info(self) -> None:
+        now = time.monotonic()
+        if now - self._info_at < INFO_REFRESH_S and self.has_unfinished():
+            return
+        self._info_at = now
+        try:
+            info = self._info()
+        except Exception as exc:  # a broken info() must not stop the serving
+            log.warning("the plugin's info() failed (%s: %s); it is not asked again", type(exc).__name__, exc)
+            self._info = None
+            return
+        self.info_snapshot = dict(info) if info is not None else None
 
     def close(self) -> None:
         close = getattr(self.runner, "close", None)

@@ -41,6 +41,10 @@ class ReplicaStatus:
     restarts: int = 0
     #: a rebuild is waiting its backoff or starting; ``healthy`` is False meanwhile
     restarting: bool = False
+    #: the plugin runner's ``info()`` on the replica's output rank, as of its last refresh (at most
+    #: ``runtime.execution.engine_core.INFO_REFRESH_S`` old while it works; a local replica's comes
+    #: with rank 0's heartbeats, up to ``heartbeat_interval_s`` later); None if the runner has none
+    plugin_info: dict | None = None
 
 
 class ReplicaExecutor(abc.ABC):
@@ -92,7 +96,12 @@ class ReplicaExecutor(abc.ABC):
 
     def status(self) -> ReplicaStatus:
         error = self.error
-        return ReplicaStatus(self.index, self.mode, error is None, self._inflight, self.devices, error)
+        return ReplicaStatus(self.index, self.mode, error is None, self._inflight, self.devices, error,
+                             plugin_info=self.plugin_info())
+
+    def plugin_info(self) -> dict | None:
+        """The plugin runner's info snapshot (``ReplicaStatus.plugin_info``); None by default."""
+        return None
 
     def mark_failed(self, reason: str) -> bool:
         """Take the replica out of service for good; True the first time only."""

@@ -174,6 +174,10 @@ class ExternalExecutor(ReplicaExecutor):
         self._closed = False
         self._released = False
 
+    def plugin_info(self) -> dict | None:
+        """The runner's info on the output rank (world rank 0); None on the others."""
+        return self._core.info_snapshot if self.rank == 0 and self._core is not None else None
+
     def submit(self, request: Any, stream: Any = None) -> Future:
         """Run ``request`` now, in this thread, and return its completed future.
 

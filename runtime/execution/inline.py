@@ -74,6 +74,9 @@ class InlineExecutor(ReplicaExecutor):
         self._thread = threading.Thread(target=self._serve, name=f"phyrt-inline-{index}", daemon=True)
         self._thread.start()
 
+    def plugin_info(self) -> dict | None:
+        return self._core.info_snapshot
+
     def _submit(self, request: Any, future: Future, stream: Any = None) -> None:
         with self._close_lock:
             if self._closed:

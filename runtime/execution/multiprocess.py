@@ -44,6 +44,10 @@ class MultiprocessExecutor(ReplicaExecutor):
         """Why this replica stopped serving (closed, or its group failed); None while healthy."""
         return self._error or self._supervisor.group_error(self._group)
 
+    def plugin_info(self) -> dict | None:
+        """Rank 0's runner info, as its last heartbeat carried it."""
+        return self._supervisor.plugin_info(self._group)
+
     def on_failure(self, callback: Any) -> None:
         """``callback()`` once this replica's group fails, on the supervisor's reaper thread (never
         at close); one registered after the failure is not called: look at ``healthy`` then."""

@@ -1,4 +1,4 @@
-"""The request/reply link (issue 33, being built in stages; docs/dev/link-plan.md B0).
+"""The request/reply links (issue 33; docs/dev/link-plan.md B0 and its progress notes).
 
 Torch-free; imports only ``runtime.core`` and ``runtime.transport`` of the project, and is
 imported by ``runtime.client``, ``runtime.serving``, ``supervisor`` and ``workers``. Importing
@@ -7,6 +7,10 @@ the subpackage loads none of its modules.
 The messages of each link, defined once: ``client_protocol`` (client <-> server, docs/protocol.md)
 and ``rank_protocol`` (engine <-> ranks). ``pending`` (PendingTable, the one table of requests in
 flight). The client's end (S5): ``link`` (``Link``, ``LinkOptions``), over ``dealer`` (the DEALER, read
-by its caller), ``awaited`` (its requests in flight and what each reply does), ``session`` (its shared
-memory), ``handshake`` (the monitor's verdicts) and ``link_thread`` (``LinkThread``).
+by its caller), ``outbox`` (what the DEALER's holder sends, in order), ``awaited`` (its requests in
+flight and what each reply does), ``handshake`` (the monitor's verdicts) and ``link_thread``
+(``LinkThread``). The same-host shared memory (S6): ``session`` (``ShmSession``, the same at both
+ends, and the client's ``CurrentSession``); the server's ``listener`` keeps one per client
+(``peer_shm``). The engine's end of a replica's ranks: ``broadcast`` (the shm ring every rank
+reads; only the output rank answers, on its ctl DEALER; ``supervisor.replica`` writes it).
 """

@@ -10,9 +10,9 @@ the socket (``runtime.link.link``); the futures it answers go into a ``done`` li
     reader: handle(header, frames, done)
       a stream's chunk (table[id] stays) --> decode -> done, for its StreamState (``seq`` checked)
       a reply to table[id] (claimed) ------> decode (frames, shm result views) -> done;
-                                             its shm inputs: freed, or held[id] when
-                                             the reply says ``inputs_held``
-      inputs_done(id) ---------------------> held[id] freed
+                                             its shm inputs: freed, or held by the
+                                             session when the reply says ``inputs_held``
+      inputs_done(id) ---------------------> the session frees them (ShmSession.inputs_done)
       ping (any): a new server_id ---------> everything in flight fails; a new ShmSession,
                                              whose register handle() returns, to go out at once
       register ----------------------------> shm.registered (or refused: frames)
@@ -20,10 +20,10 @@ the socket (``runtime.link.link``); the futures it answers go into a ``done`` li
     monitor (runtime.link.handshake): fail_all after a handshake; refuse/served
 
 Invariants:
-- ``table`` (requests in flight, claimed exactly once: reply, silence, failure or close), ``held``
-  (requests whose shm inputs the server still reads), ``due`` (replies due without a future:
-  "heartbeat", "register") and the states change under ``lock`` (the table's), which the link also
-  uses for who reads its socket: ``awaiting()`` tells whether to hand the reading on.
+- ``table`` (requests in flight, claimed exactly once: reply, silence, failure or close), ``due``
+  (replies due without a future: "heartbeat", "register") and the states change under ``lock`` (the
+  table's), which the link also uses for who reads its socket: ``awaiting()`` tells whether to hand
+  the reading on (the session's ``held``, requests whose shm inputs the server still reads, counts).
 - A request's shm blocks are freed once the server is done with them: at its reply, or at
   ``inputs_done`` when the reply said ``inputs_held``, also for a request failed here.
 - The shm session belongs to one ``server_id``; a new server id or a lost connection fails
@@ -41,7 +41,7 @@ import zmq
 from runtime.core.errors import ProtocolError
 from runtime.core.futures import resolve
 from runtime.link.pending import Entry, PendingTable
-from runtime.link.session import ShmSession, ShmSessions
+from runtime.link.session import CurrentSession, ShmSession
 from runtime.transport.endpoints import ipc_unreachable
 from runtime.transport.protocol import TensorResolver, numpy_tensor, numpy_view, torch_tensor, torch_view, unpack_header
 
@@ -86,7 +86,7 @@ def _more(header: dict[str, Any]) -> bool:
 class Awaited:
     """The requests in flight of one link, its shm session, its states and the decoding of replies."""
 
-    def __init__(self, address: str, tensor_type: str, shm: ShmSessions, errors: Any) -> None:
+    def __init__(self, address: str, tensor_type: str, shm: CurrentSession, errors: Any) -> None:
         self.address = address
         self.errors = errors
         self._make = torch_tensor if tensor_type == "torch" else numpy_tensor
@@ -94,7 +94,6 @@ class Awaited:
         self.shm = shm
         self.table: PendingTable[Request] = PendingTable()
         self.lock = self.table.lock
-        self.held: dict[int, tuple[ShmSession, list]] = {}
         self.due: dict[str, float] = {}  # name -> sent at
         self.server_id: str | None = None
         self.last_heard = time.monotonic()
@@ -105,8 +104,9 @@ class Awaited:
         self.unreachable: str | None = ipc_unreachable(address)  # why no server listens at the ipc:// path
 
     def awaiting(self) -> bool:
-        """Under ``lock``: some reply is still due."""
-        return bool(self.table.table or self.held or self.due)
+        """Under ``lock``: some reply is still due (``inputs_done`` included)."""
+        session = self.shm.current
+        return bool(self.table.table or self.due or (session is not None and session.held))
 
     def refusal(self, request: Request) -> BaseException | None:
         """Under ``lock``: why ``request`` cannot go (its blocks freed), or None. ConnectionLostError once
@@ -166,10 +166,9 @@ class Awaited:
                             self.address, header.get("error"))
             return None
         if op == "inputs_done":
-            with self.lock:
-                held = self.held.pop(request_id, None)
-            if held is not None:
-                held[0].free(held[1])
+            session = self.shm.current
+            if session is not None:
+                session.inputs_done(request_id)
             return None
         p = None
         if isinstance(request_id, int):
@@ -194,8 +193,8 @@ class Awaited:
         if refs or frames:
             session = self.shm.current
             # shared-memory results are views of their blocks: each block is released (see
-            # ShmSession.result_view) once the caller's arrays over it are collected
-            resolver = TensorResolver(frames, self._make, session.result_view if session is not None else None,
+            # ShmSession.tracked_view) once the caller's arrays over it are collected
+            resolver = TensorResolver(frames, self._make, session.tracked_view if session is not None else None,
                                       self._make_shm)
             try:
                 result = resolver.resolve(result)
@@ -217,8 +216,7 @@ class Awaited:
                 return register
         if p.blocks and p.session is not None:
             if header.get("inputs_held") is True:
-                with self.lock:
-                    self.held[request_id] = (p.session, p.blocks)
+                p.session.hold(request_id, p.blocks)
             else:
                 p.session.free(p.blocks)
         if error is None and header.get("ok") is not True:
@@ -232,15 +230,9 @@ class Awaited:
 
     def _late(self, request_id: Any, inputs_held: bool) -> None:
         """The reply to a request failed here already: free its inputs once the server is done."""
-        if not isinstance(request_id, int):
-            return
-        with self.lock:
-            held = self.held.pop(request_id, None)
-            if held is not None and inputs_held:
-                self.held[request_id] = held
-                held = None
-        if held is not None:
-            held[0].free(held[1])
+        session = self.shm.current
+        if isinstance(request_id, int) and session is not None and not inputs_held:
+            session.inputs_done(request_id)
 
     def _on_ping(self, header: dict[str, Any], done: list) -> bytes | None:
         """A ping's answer names the server instance: a new one starts a fresh session."""
@@ -272,7 +264,7 @@ class Awaited:
             for p in silent:
                 self.table.claim_locked(p.key)
                 if p.blocks and p.session is not None:  # the server may still read them: wait for its word
-                    self.held[p.key] = (p.session, p.blocks)
+                    p.session.hold(p.key, p.blocks)
         return [(p.future, None, self.errors.ConnectionLostError.for_request(
             f"no word from the server at {self.address} for more than {timeout} s "
             f"(heartbeat_timeout_s) while request {p.key} was in flight", p.key)) for p in silent]
@@ -308,7 +300,6 @@ class Awaited:
     def fail_all(self, done: list, error: Callable[[int], BaseException]) -> None:
         taken = self.table.take_all()
         with self.lock:
-            self.held.clear()
             self.due.clear()
         self.server_id = None
         done.extend((p.future, None, error(p.key)) for p in taken)

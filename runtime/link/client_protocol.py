@@ -189,7 +189,7 @@ def submit_options(header: dict[str, Any]) -> tuple[float | None, bool]:
 
 
 def register_fields(header: dict[str, Any]) -> tuple[Any, list[str], int | None]:
-    """A register's ``run_id`` (checked by ``ShmSessions``), ``segments`` and ``pid``."""
+    """A register's ``run_id`` (checked by ``runtime.link.peer_shm.PeerSessions``), ``segments`` and ``pid``."""
     run_id, segments, pid = header.get("run_id"), header.get("segments"), header.get("pid")
     if not isinstance(segments, list) or not all(isinstance(s, str) for s in segments):
         raise ProtocolError("segments must be a list of segment names")

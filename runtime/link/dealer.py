@@ -5,7 +5,8 @@ Torch-free; imports ``runtime.core``, ``runtime.transport`` and ``runtime.link``
     enter(request), socket free: [lock: register + take the socket]; transmit: send at once
     read(future): poll (spinning budget_ns("client") first), read until ``future`` is done; a Slot's
       plain reply: [lock: claim + give the socket back] (``_own``); others: ``Awaited.handle``
-    held by another thread: transmit queues to ``outbox`` (waking a holder asleep in poll);
+    held by another thread: transmit queues to ``outbox`` (``runtime.link.outbox``: what the holder
+      sends, in order, releases riding first), waking a holder asleep in poll;
       wait(future) sleeps on the future, which the reader completes
     leave(): the socket back; replies still due and nobody reading: the link thread is woken
 
@@ -17,9 +18,7 @@ Invariants:
 - Nesting: a thread holding the socket (a done callback run by the reader) may send and read as
   the holder; only the outermost taker gives it back.
 - Tensor frames that view a caller's arrays are sent at once (zmq copies them as they are
-  queued) or, when another thread holds the socket, queued as a snapshot.
-- Released result blocks ride with the next message (a message of their own would wake
-  other threads, which costs a waiting caller its CPU on a busy machine).
+  queued) or, when another thread holds the socket, queued as a snapshot (``Outbox``).
 - The monitor is read under ``monitor_lock`` (``watch_monitor``): by the link thread when it fires,
   and by a sender whose send found no connection to queue on (a refused handshake explains that).
 - ``stopped`` (closed or broken): nobody takes the socket any more; ``shut`` closes it once the
@@ -41,8 +40,9 @@ import zmq
 from runtime.core.errors import ProtocolError
 from runtime.core.futures import Slot
 from runtime.link.awaited import Awaited, Request
-from runtime.link.client_protocol import SUBMIT_REPLY_PREFIX, release_header
+from runtime.link.client_protocol import SUBMIT_REPLY_PREFIX
 from runtime.link.handshake import LOST, REFUSED, SERVED, HandshakeWatch, open_dealer, read_verdicts
+from runtime.link.outbox import Outbox
 from runtime.transport.endpoints import ipc_unreachable
 from runtime.transport.spin import Spinner, budget_ns
 from runtime.transport.wake_pipe import WakePipe
@@ -85,7 +85,7 @@ class Dealer:
         self._table = awaited.table
         self._thread = thread  # woken when replies are due and nobody reads
         self._poll_s = options.heartbeat_interval_s  # a reader looks at ``stopped`` at least this often
-        self.outbox: collections.deque[tuple[int | None, list[Any]]] = collections.deque()  # (id or None, frames)
+        self.outbox = Outbox(address, awaited)  # what the holder sends, in order
         self.holder: int | None = None
         self._left = threading.Condition(self.lock)
         self.polling = False  # the holder sleeps in poll (wake it to send)
@@ -151,9 +151,7 @@ class Dealer:
         """Send a message: at once if this thread holds the socket (``owned``; given back unless ``keep``),
         else queued (tensor frames snapshotted) for the holder."""
         if not owned:
-            if len(frames) > 1:
-                frames = [frames[0], *(bytes(frame) for frame in frames[1:])]
-            self.outbox.append((request_id, frames))
+            self.outbox.queue(request_id, frames)
             if self.polling:
                 self.pipe.wake()
             elif self.holder is None:
@@ -161,19 +159,7 @@ class Dealer:
             return
         failed: list = []
         try:
-            session = self.awaited.shm.current
-            if self.outbox or not self.open or (session is not None and session.released):  # releases ride first
-                self.outbox.append((request_id, frames))
-                self.flush(failed)
-            else:
-                try:
-                    if len(frames) == 1:
-                        self.sock.send(frames[0], _NOBLOCK)
-                    else:
-                        self.sock.send_multipart(frames, _NOBLOCK)
-                except zmq.ZMQError:  # flush says why, and fails the request
-                    self.outbox.append((request_id, frames))
-                    self.flush(failed)
+            self.outbox.send(self, request_id, frames, failed)
         finally:
             if owned == 1 and not keep:
                 self.leave()
@@ -191,49 +177,11 @@ class Dealer:
             return
         failed: list = []
         try:
-            self.flush(failed)
+            self.outbox.flush(self, failed)
         finally:
             if owned == 1:
                 self.leave()
         self.awaited.complete(failed)
-
-    def flush(self, failed: list) -> None:
-        """Holding the socket: the releases that wait for a ride, then the outbox; the futures of
-        what could not go into ``failed``."""
-        sock = self.sock
-        # releases first: a server runs a request in the thread that read it only if no message
-        # came after it (one that did must not wait for it), and a release needs no answer
-        session = self.awaited.shm.current
-        while session is not None and session.released and self.open and self.outbox:
-            blocks = session.take_released()
-            if not blocks:
-                break
-            try:
-                sock.send(release_header(blocks), _NOBLOCK)
-            except zmq.Again:  # the queue is full: they ride with a later message
-                session.give_back(blocks)
-                break
-            except zmq.ZMQError as exc:
-                log.warning("dropped a release of result blocks to %s: %s", self.address, exc)
-        while self.outbox:
-            request_id, frames = self.outbox.popleft()
-            if not self.open:
-                continue  # closed: close() fails what is in flight
-            try:
-                if len(frames) == 1:
-                    sock.send(frames[0], _NOBLOCK)
-                else:
-                    sock.send_multipart(frames, _NOBLOCK)
-                continue
-            except zmq.Again:
-                self.watch_monitor(failed)  # a refused handshake fails it (and all in flight) with its cause
-                reason = "the send queue to the server is full (is it reachable?)"
-            except zmq.ZMQError as exc:
-                reason = f"the message could not be sent ({exc})"
-            if request_id is None:
-                log.warning("dropped a message to %s: %s", self.address, reason)
-            else:
-                self.awaited.unsent(request_id, reason, failed)
 
     # -- reading (the holder of the socket) ----------------------------------------------
 
@@ -246,7 +194,7 @@ class Dealer:
         try:
             while not future.done() and self.open and not self.stopped:
                 if self.outbox:
-                    self.flush(failed)
+                    self.outbox.flush(self, failed)
                 if failed:  # (a request that could not go is answered first)
                     self.awaited.complete(failed)
                     failed = []
@@ -290,7 +238,7 @@ class Dealer:
                 return False
             if leave:
                 self.holder = None
-                hand_on = not self.stopped and bool(self._table.table or awaited.held or awaited.due)  # (awaiting)
+                hand_on = not self.stopped and awaited.awaiting()
         awaited.last_heard = time.monotonic()
         if leave:
             if self.outbox:

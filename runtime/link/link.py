@@ -9,7 +9,7 @@ Torch-free; imports ``runtime.core``, ``runtime.transport`` and ``runtime.link``
     │                    LinkThread when replies are due and no caller reads (runtime.link.dealer)
     ├── Awaited          the PendingTable of requests in flight, the states (refused, lost,
     │                    closed), what each reply does (runtime.link.awaited)
-    └── ShmSessions      the shared memory with the current server instance (runtime.link.session)
+    └── CurrentSession   the ShmSession with the current server instance (runtime.link.session)
 
     call(p), socket free: [lock: register + take the socket] send; read until its Slot is done;
       its own plain reply: [lock: claim + give the socket back]
@@ -44,7 +44,7 @@ from runtime.link.awaited import Awaited, Request
 from runtime.link.client_protocol import HEARTBEAT, control_header, plain_submit, submit_message
 from runtime.link.dealer import Dealer
 from runtime.link.link_thread import LinkThread
-from runtime.link.session import ShmSessions
+from runtime.link.session import CurrentSession
 
 __all__ = ["Link", "LinkOptions"]
 
@@ -72,13 +72,14 @@ class Link:
     def __init__(self, address: str, options: LinkOptions, errors: Any, thread: LinkThread) -> None:
         self.address = address
         self._interval, self._timeout = options.heartbeat_interval_s, options.heartbeat_timeout_s
-        self._shm = ShmSessions(options.shm, options.shm_threshold, self._post)
+        self._shm = CurrentSession(options.shm, options.shm_threshold, self._post)
         self.awaited = Awaited(address, options.tensor_type, self._shm, errors)
         self.dealer = Dealer(address, options, self.awaited, thread)
         self._ids = itertools.count()
         self._callbacks: list[Callable[[str], None]] = []
         self._thread_done: list = []  # what the thread read this turn, completed after it gave the socket back
         self._next_beat = time.monotonic()
+        self._silent = False  # the silence past the timeout was reported
         self._thread = thread
         thread.add(self)
         try:
@@ -167,7 +168,7 @@ class Link:
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
         """``callback(reason)`` after each failure (connection lost, server restarted, handshake refused,
-        thread broken), on the link's thread, with no lock held."""
+        no word past heartbeat_timeout_s, thread broken), on the link's thread, with no lock held."""
         self._callbacks.append(callback)
 
     def close(self) -> None:
@@ -195,7 +196,7 @@ class Link:
         request_id = next(self._ids)
         future.request_id = request_id
         session = self._shm.current
-        shm_results = session is not None and session.result_mapper is not None
+        shm_results = session is not None and session.mapper is not None
         # a plain payload needs no encoder, unless dropped results' blocks are to ride in its header
         data = plain_submit(request_id, timeout, shm_results, payload, stream is not None) \
             if session is None or not session.released else None
@@ -216,14 +217,22 @@ class Link:
         return Request(request_id, future, "submit", time.monotonic(), blocks, session, released, stream), frames
 
     def _post(self, frames: list[Any]) -> None:
-        """Queue a message with no reply (ShmSessions' registers go out before what uses them)."""
-        self.dealer.outbox.append((None, frames))
+        """Queue a message with no reply (CurrentSession's registers go out before what uses them)."""
+        self.dealer.outbox.append((None, frames))  # (a register: one frame, no snapshot needed)
 
     # -- the link thread ---------------------------------------------------------------
 
     def tick(self, now: float) -> float:
-        """Failure callbacks; the heartbeat when due (requests silent too long fail)."""
+        """The heartbeat when due (requests silent too long fail; a silence past the timeout is a
+        failure); failure callbacks."""
         dealer = self.dealer
+        if now >= self._next_beat:
+            if not self.awaited.refused and not dealer.stopped:
+                silent = self.awaited.silent(now, self._timeout)
+                dealer.transmit(None, [HEARTBEAT], dealer.take())
+                self._fail(silent)
+                self._watch_silence(now)
+            self._next_beat = now + self._interval
         while dealer.failures:
             reason = dealer.failures.popleft()
             for callback in list(self._callbacks):
@@ -231,13 +240,16 @@ class Link:
                     callback(reason)
                 except Exception:
                     log.exception("a failure callback of the link to %s failed", self.address)
-        if now >= self._next_beat:
-            if not self.awaited.refused and not dealer.stopped:
-                silent = self.awaited.silent(now, self._timeout)
-                dealer.transmit(None, [HEARTBEAT], dealer.take())
-                self._fail(silent)
-            self._next_beat = now + self._interval
         return self._next_beat
+
+    def _watch_silence(self, now: float) -> None:
+        """A failure once the server has said nothing for heartbeat_timeout_s (again after it spoke)."""
+        quiet = now - self.awaited.last_heard
+        if quiet <= self._timeout:
+            self._silent = False
+        elif not self._silent:
+            self._silent = True
+            self.dealer.failures.append(f"no word from {self.address} for {quiet:.1f} s (heartbeat_timeout_s)")
 
     def poll_items(self) -> list[tuple[Any, Callable[[], None]]]:
         """The monitor; and the socket while replies are due and no caller reads it."""
@@ -252,7 +264,7 @@ class Link:
         if take:
             dealer.polling = True
             done: list = []
-            dealer.flush(done)
+            dealer.outbox.flush(dealer, done)
             if done or dealer.outbox:  # answer those first, and look again at once
                 dealer.polling = False
                 dealer.leave(hand_on=False)

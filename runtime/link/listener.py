@@ -6,7 +6,7 @@ endpoints, wake pipe, zmq context) of the project. The server (``runtime.serving
     Responder(address, send)     the socket-less part: the requests in flight and the peers' shm
       pending                    PendingTable of PeerEntry by (identity, id): claim-once replies,
                                    deadlines, each peer's count of requests in flight
-      peers                      ShmSessions: each peer's shared memory (ipc:// only)
+      peers                      PeerSessions: each peer's ClientShm, a ShmSession (ipc:// only)
       send(identity, header, frames=()) -> bool;  wake()
     Listener(address, ...)       a Responder over a ROUTER bound on ``address``:
       looping thread:            poll(fd, wake_fd) -> read_batch() -> [(identity, [header, *frames])]
@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import zmq
 
-from runtime.link.peer_shm import ClientShm, ShmSessions
+from runtime.link.peer_shm import ClientShm, PeerSessions
 from runtime.link.pending import Entry, PendingTable
 from runtime.transport.endpoints import CurveKeys
 from runtime.transport.protocol import pack_header
@@ -102,7 +102,7 @@ class Responder:
         if wake is not None:
             self.wake = wake
         self.pending: PendingTable[Any] = PendingTable(_enter, _leave)
-        self.peers = ShmSessions()
+        self.peers = PeerSessions()
 
     def send(self, identity: bytes, header: dict[str, Any] | bytes, frames: Any = ()) -> bool:
         raise NotImplementedError

@@ -1,13 +1,14 @@
-"""The responder end's shared memory, per peer (ipc:// only; the protocol is in runtime.transport.protocol).
+"""The Listener's shared memory with its peers: ``PeerSessions``, one ``ClientShm`` per client
+connection (ipc:// only; the protocol is in runtime.transport.protocol).
 
-Torch-free; imports only ``runtime.core.errors`` and ``runtime.transport.arena`` of the project.
-``runtime.link.listener`` keeps one ``ShmSessions`` (the per-peer map); issue 33 S6 merges it with
-the client's session into one ``ShmSession``.
+Torch-free; imports ``runtime.core.errors``, ``runtime.link.session`` (``ShmSession``, the mechanism
+both ends share) and ``runtime.transport.arena``. What is the server's own: the per-connection map,
+the checks on what a client registers, and dropping the sessions of clients that are gone.
 
-    client                                   server I/O thread: ShmSessions
+    client                                   server I/O thread: PeerSessions
     register run_id, segments, [pid]  --->   register(): one ClientShm per connection
-                                               (identity) and run id; maps each segment,
-                                               then unlinks its name at once
+                                               (identity) and run id; ``admit``s each segment
+                                               (mapped, then its name unlinked at once)
     submit with ext 2 refs            --->   ClientShm.view(): registered segments only
                                              engine threads: place_result(n) -> a block
     <--- result refs into our arena            of this connection's result arena
@@ -16,23 +17,22 @@ the client's session into one ``ShmSession``.
                                              drop_gone(): a client whose pid is gone, or
                                                idle and silent past client_timeout_s
 
-Invariants: ``ShmSessions`` is used by the I/O thread only; a ``ClientShm``'s
-result arena is also used from completion threads, under its own lock; its ``requests``
-(the connection's requests in flight) change under the pending table's lock. A run id
-belongs to one connection. A client's unreleased result blocks hold at most
-``RESULT_SHM_LIMIT`` bytes; beyond it, results go as frames. Closing a session
-unlinks and unmaps all it holds.
+Invariants: ``PeerSessions`` is used by the I/O thread only; a ``ClientShm``'s result arena is also
+used from completion threads (``ShmSession`` locks it); its ``requests`` (the connection's requests
+in flight) change under the pending table's lock. A run id belongs to one connection. A client's
+unreleased result blocks hold at most ``RESULT_SHM_LIMIT`` bytes (the session's limit); beyond it,
+results go as frames. Closing a session unlinks and unmaps all it holds.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 
 from runtime.core.errors import ProtocolError
-from runtime.transport.arena import ShmArena, ShmMapper, new_run_id, sweep_stale
+from runtime.link.session import ShmSession
+from runtime.transport.arena import sweep_stale
 
 log = logging.getLogger("phyrt.server")
 
@@ -40,7 +40,6 @@ MAX_SEGMENTS_PER_CLIENT = 64
 MAX_SHM_CLIENTS = 1024
 #: a client's unreleased result blocks may hold at most this much; beyond, frames
 RESULT_SHM_LIMIT = 512 << 20
-_RESULT_ARENA_BYTES = 8 << 20
 
 
 class ShmClientsFull(Exception):
@@ -48,70 +47,36 @@ class ShmClientsFull(Exception):
 
 
 class ClientShm:
-    """The shared memory of one connection: its registered segments and our result arena."""
+    """One client connection's shared memory, as the Listener keeps it: a ``ShmSession`` whose peer is
+    that client (``run_id``, its arena's; our results go into ``result_run_id``'s), with the
+    connection's identity, pid, last word and requests in flight."""
+
+    __slots__ = ("identity", "run_id", "pid", "session", "result_run_id", "last_seen", "requests",
+                 "register", "view", "release")
 
     def __init__(self, identity: bytes, run_id: str, pid: int | None) -> None:
         self.identity = identity
         self.run_id = run_id
         self.pid = pid  # the client's process, as it says: its state goes as soon as that is gone
-        self.mapper = ShmMapper(run_id)  # raises ValueError for a malformed run id
-        self.segments: set[str] = set()
-        self.result_run_id = new_run_id()
+        self.session = ShmSession(run_id, RESULT_SHM_LIMIT)  # raises ValueError for a malformed run id
+        self.result_run_id = self.session.run_id
         self.last_seen = time.monotonic()
         self.requests = 0
-        self._lock = threading.Lock()  # the arena is used by completion threads and the I/O thread
-        self._arena: ShmArena | None = None
-        self._outstanding: dict[tuple[str, int], int] = {}
-        self._outstanding_bytes = 0
-        self._unlinked: set[str] = set()
-        self._closed = False
-
-    def register(self, segment: str) -> None:
-        self.mapper.view(segment, 0, 0)  # checks the name, its run, its owner; maps it
-        self.segments.add(segment)
-        try:  # mapped now: the name is not needed any more, and a crash cannot leak it
-            os.unlink(os.path.join("/dev/shm", segment))
-        except FileNotFoundError:
-            pass
-
-    def view(self, segment: str, offset: int, nbytes: int) -> memoryview:
-        if segment not in self.segments:
-            raise ProtocolError(f"segment {segment!r} was not registered by this connection"[:300])
-        return self.mapper.view(segment, offset, nbytes)
+        self.register = self.session.admit  # (segment): mapped, then its name unlinked
+        self.view = self.session.view  # (segment, offset, nbytes): a registered segment's block
+        #: (blocks, mapped): result blocks freed; ``mapped``: the client mapped their segments (unlink them)
+        self.release = self.session.free
 
     def place_result(self, nbytes: int) -> tuple[str, int, memoryview] | None:
-        with self._lock:
-            if self._closed or self._outstanding_bytes + nbytes > RESULT_SHM_LIMIT:
-                return None
-            if self._arena is None:
-                self._arena = ShmArena(self.result_run_id, max(_RESULT_ARENA_BYTES, 2 * nbytes))
-            segment, offset, view = self._arena.place(nbytes)
-            self._outstanding[(segment, offset)] = nbytes
-            self._outstanding_bytes += nbytes
-            return segment, offset, view
-
-    def release(self, blocks: list[tuple[str, int]], mapped: bool) -> None:
-        """Free result blocks; ``mapped``: the client has mapped their segments (so unlink them)."""
-        with self._lock:
-            for key in blocks:
-                nbytes = self._outstanding.pop(key, None)
-                if nbytes is None or self._arena is None:
-                    continue
-                self._outstanding_bytes -= nbytes
-                self._arena.free(*key)
-                if mapped and key[0] not in self._unlinked:
-                    self._unlinked.add(key[0])
-                    self._arena.unlink(key[0])
+        """A block of our result arena (None beyond ``RESULT_SHM_LIMIT`` or once closed: frames)."""
+        placed = self.session.place(nbytes)
+        return None if placed is None else placed[:3]
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            if self._arena is not None:
-                self._arena.close()
-        self.mapper.close()
+        self.session.close()
 
 
-class ShmSessions:
+class PeerSessions:
     """Every connection's ``ClientShm``, by ZMQ identity and by run id (I/O thread only)."""
 
     def __init__(self) -> None:
@@ -143,7 +108,7 @@ class ShmSessions:
             self._run_ids[run_id] = identity
         elif run_id != client.run_id:
             raise ProtocolError(f"this connection registered run id {client.run_id!r}, not {run_id!r}"[:300])
-        if len(client.segments) + len(segments) > MAX_SEGMENTS_PER_CLIENT:
+        if len(client.session.admitted) + len(segments) > MAX_SEGMENTS_PER_CLIENT:
             raise ProtocolError(f"at most {MAX_SEGMENTS_PER_CLIENT} segments per connection")
         for segment in segments:
             client.register(segment)  # ProtocolError for a forged, foreign or missing name

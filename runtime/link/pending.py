@@ -8,6 +8,7 @@ one of these each.
     claim(key) / claim_entry(entry)     -> the one answer: exactly once, whoever comes first
     expired(now)                        -> entries whose deadline passed, claimed for it
     next_deadline() / peek_deadline()   -> when to look again (peek: without the lock)
+    earliest()                          -> the unclaimed entry due first, not claimed
     take_all()                          -> every unclaimed entry, claimed (failure: fail them all)
 
 Invariants:
@@ -141,11 +142,17 @@ class PendingTable(Generic[E]):
 
     def next_deadline(self) -> float | None:
         """The earliest deadline of an unclaimed entry, or None (drops claimed ones off the top)."""
+        entry = self.earliest()
+        return None if entry is None else entry.deadline
+
+    def earliest(self) -> E | None:
+        """The unclaimed entry with the earliest deadline, left unclaimed (a link end that fails every
+        entry when one expires names it), or None; drops claimed ones off the top."""
         with self.lock:
             heap = self._heap
             while heap and heap[0][2].claimed:
                 heapq.heappop(heap)
-            return heap[0][0] if heap else None
+            return heap[0][2] if heap else None
 
     def peek_deadline(self) -> float | None:
         """``next_deadline`` without the lock, for a loop that looks every turn: the earliest deadline

@@ -80,8 +80,9 @@ MESSAGES = {m.type: m for m in (
     Message(DONE, "rank", "ctl", "the request's id", ("ok",), ("result", *ERROR_FIELDS)),
     # a stream's chunk, from the output rank only, before the stream's DONE
     Message(PARTIAL, "rank", "ctl", "the request's id", ("chunk",)),
-    # every heartbeat_interval_s, from each rank's heartbeat thread
-    Message(HB, "rank", "hb", "a count of the beats sent"),
+    # every heartbeat_interval_s, from each rank's heartbeat thread; the output rank's carries its
+    # runner's info snapshot (``EngineCore.info_snapshot``) when it changed since the last one sent
+    Message(HB, "rank", "hb", "a count of the beats sent", (), ("info",)),
 )}
 
 

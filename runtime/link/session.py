@@ -1,40 +1,43 @@
 """A link's shared memory with one peer instance (ipc:// only; see runtime.transport.protocol):
-``ShmSession`` (own arena + the peer's result mapper + releases) and ``ShmSessions`` (the current one,
-and where request tensors go).
+``ShmSession``, the same at both ends, and ``CurrentSession``, the client's holder of its one session.
 
 Torch-free: imports ``runtime.core.errors``, ``runtime.transport`` (arena, encoder) and the register
-header of ``runtime.link.client_protocol``. Written for the client's link (``runtime.link.link``); the
-server's per-client map (``runtime.serving.shm``) is meant to adopt ``ShmSession`` later.
+header of ``runtime.link.client_protocol``. Both ends of the client <-> server link keep one
+``ShmSession`` per peer instance: the client one with the current server instance
+(``CurrentSession``), the server's ``Listener`` one per client connection (``runtime.link.peer_shm``).
 
-    Link (caller threads, under ShmSessions.lock)      server
-    place(n) -> block of our arena; a new segment  -->  register [segment]  (before the
-               must be registered first                 first request that uses it)
-    on_registered(result) <-- {result_run_id, mapped}:  map its result arena; unlink
-                                                        our names it has mapped
-    result_view(segment, offset, n)               <--  results placed in its arena
-      -> a view of the block; when the last array
-         over it is collected, (segment, offset)
-         goes to ``released``
-    take_released() -> blocks for a ``release``   -->  free them; unlink a segment's name at
-                                                        its first release (we mapped it)
-    free(blocks): the server is done with them
+    ShmSession (either end)                             the peer
+    our arena:  place(n) / lend(n) -> a block; ``new``  maps it (told by a ``register`` first);
+                segments are to be announced first     says when it is done with a block:
+                free(blocks, mapped): done with them;  the client's ``release``, the server's
+                mapped: their names go (the peer       reply or ``inputs_done``
+                mapped them, a crash leaks nothing)
+                hold(id, blocks) / inputs_done(id): blocks the peer still reads after its reply
+    its arena:  map_peer(run_id) / admit(segment)      places blocks; sends (segment, offset, n)
+                view(...): an admitted segment's block (the server: only what the client registered)
+                tracked_view(...): a view whose collection queues the block in ``released``;
+                take_released() -> blocks for a ``release``; give_back(blocks): not sent after all
 
-    ShmSessions.encoder(session): a PayloadEncoder: a tensor of >= shm_threshold bytes lies in a
-      block ``lend`` gave (Client.empty)? borrowed, sent where it lies; else placed (copied) into
-      a block of the arena; no usable session: frames
+    client: CurrentSession                             server
+    start(server_id) -> register [run_id]         -->  a ShmSession for this connection
+    registered(reply) <-- {result_run_id, mapped}:     map_peer; free the names it mapped
+    encoder(session): a PayloadEncoder: a tensor of >= shm_threshold bytes lies in a block ``lend``
+      gave (Client.empty)? borrowed, sent where it lies; else placed (copied) into a block of the
+      arena, a new segment registered first; no usable session: frames
 
-Invariant: a segment new to the arena is registered with the server before any request that
-uses it: its ``register`` is posted (the link's FIFO outbox) under ``ShmSessions.lock``, ahead of
-every request that could carry a tensor in it.
-
-A session belongs to one ``server_id``: a restarted server gets a new session, and
-``close()`` unlinks and unmaps what this one holds. A result view outlives
-``close()``: the mapping under it goes only with the last view (``runtime.transport.arena``
-never unmaps exported memory), and its release, due to a session that is gone,
-is dropped (the server frees what that session held when it drops it). The
-caller serialises every call but ``free``, ``result_view`` and ``take_released``
-(the arena and the mapper lock themselves; ``released`` is a deque, appended to by
-finalizers, which may run on any thread at any allocation, so they take no lock).
+Invariants:
+- A segment new to the client's arena is registered with the server before any request that uses
+  it: its ``register`` is posted (the link's FIFO outbox) under ``CurrentSession.lock``, ahead of
+  every request that could carry a tensor in it.
+- A session belongs to one peer instance: a restarted server gets a new session; ``close()`` unlinks
+  and unmaps what it holds. A view outlives ``close()`` (``runtime.transport.arena`` never unmaps
+  exported memory); its release, due to a session that is gone, is dropped (the peer frees what
+  that session held when it drops it).
+- With a ``limit`` (the server's result arena), the blocks the peer holds stay under it (``place``
+  answers None beyond: frames), and ``free`` frees only blocks the peer holds (its list is not
+  trusted). Our arena is used under ``_lock`` (caller and completion threads); the mapper locks
+  itself; ``released`` is a deque appended to by finalizers, which may run on any thread at any
+  allocation, so they take no lock.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import functools
 import os
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -53,81 +56,157 @@ from runtime.link.client_protocol import register_header
 from runtime.transport.arena import ShmArena, ShmMapper, new_run_id, sweep_stale
 from runtime.transport.protocol import PayloadEncoder
 
+__all__ = ["MAX_RELEASE_BLOCKS", "CurrentSession", "ShmSession"]
+
 #: a release carries at most this many blocks (the server ignores a longer list)
 MAX_RELEASE_BLOCKS = 4096
 
-_CLIENT_ARENA_BYTES = 8 << 20
+_ARENA_BYTES = 8 << 20
 
 
 class ShmSession:
-    """One server instance's shared memory on this client: our input arena, its result arena."""
+    """One end's shared memory with one peer instance: our arena and the peer's (see the module).
+    ``peer_run_id`` given: the peer's arena is known now, and only segments it ``admit``s are viewed."""
 
-    def __init__(self, server_id: str) -> None:
-        self.server_id = server_id
-        self.run_id = new_run_id()
+    def __init__(self, peer_run_id: str | None = None, limit: int | None = None) -> None:
+        self.run_id = new_run_id()  # our arena's
         self.arena: ShmArena | None = None
-        self.registered: set[str] = set()
-        self.result_mapper: ShmMapper | None = None
-        self.refused = False
+        self.announced: set[str] = set()  # our segments the peer has been told of
+        self.mapper: ShmMapper | None = None  # the peer's arena
+        self.admitted: set[str] | None = None  # its segments we may view (None: all of its run)
+        self.refused = False  # the peer refused shared memory: frames only
         self.closed = False
-        #: result blocks whose views were collected, for the next ``release`` (any thread appends)
+        #: the peer's blocks whose views were collected, for the next ``release`` (any thread appends)
         self.released: collections.deque[tuple[str, int]] = collections.deque()
+        #: request id -> our blocks the peer still reads after its reply (``inputs_held``)
+        self.held: dict[Any, list] = {}
+        self._limit = limit
+        self._outstanding: dict[tuple[str, int], int] = {}  # with a limit: our blocks the peer holds
+        self._outstanding_bytes = 0
+        self._unlinked: set[str] = set()
+        self._lock = threading.Lock()
+        if peer_run_id is not None:
+            self.mapper = ShmMapper(peer_run_id)  # raises ValueError for a malformed run id
+            self.admitted = set()
 
     @property
     def usable(self) -> bool:
-        """The server took our registration and may be sent shared-memory tensors."""
-        return not self.closed and not self.refused and self.result_mapper is not None
+        """The peer's arena is known and shared memory not refused: tensors may go by shared memory."""
+        return not self.closed and not self.refused and self.mapper is not None
 
-    def place(self, nbytes: int) -> tuple[str, int, memoryview, bool]:
-        """A block for a request tensor, and whether its segment is new (register it first)."""
-        return self.place_with(nbytes)
+    # -- our arena -------------------------------------------------------------------------
 
-    def place_with(self, nbytes: int, lend: bool = False) -> tuple[str, int, memoryview, bool]:
-        if self.arena is None:
-            self.arena = ShmArena(self.run_id, max(_CLIENT_ARENA_BYTES, 2 * nbytes))
-        if lend:
-            segment, offset, view, _ = self.arena.lend(nbytes)
-        else:
-            segment, offset, view = self.arena.place(nbytes)
-        new = segment not in self.registered
-        self.registered.add(segment)
-        return segment, offset, view, new
+    def place(self, nbytes: int, lend: bool = False) -> tuple[str, int, memoryview, bool] | None:
+        """A block of our arena, and whether its segment is new to the peer (announce it first);
+        None once closed or beyond the limit."""
+        with self._lock:
+            if self.closed or (self._limit is not None and self._outstanding_bytes + nbytes > self._limit):
+                return None
+            if self.arena is None:
+                self.arena = ShmArena(self.run_id, max(_ARENA_BYTES, 2 * nbytes))
+            if lend:
+                segment, offset, view, _ = self.arena.lend(nbytes)
+            else:
+                segment, offset, view = self.arena.place(nbytes)
+            if self._limit is not None:
+                self._outstanding[(segment, offset)] = nbytes
+                self._outstanding_bytes += nbytes
+            new = segment not in self.announced
+            self.announced.add(segment)
+            return segment, offset, view, new
 
-    def lend(self, nbytes: int) -> tuple[str, int, np.ndarray, bool]:
-        """A lent block of our arena (``Client.empty``): (segment, offset, the uint8 array every
-        array over the block must be based on, whether the segment is new). The block goes back
-        once that array is collected and every request that carried it was answered."""
-        segment, offset, view, new = self.place_with(nbytes, lend=True)
+    def lend(self, nbytes: int) -> tuple[str, np.ndarray, bool] | None:
+        """A lent block (``Client.empty``): (segment, the uint8 array every array over the block must
+        be based on, whether the segment is new). The block goes back once that array is collected
+        and every request that carried it was answered."""
+        placed = self.place(nbytes, lend=True)
+        if placed is None:
+            return None
+        segment, offset, view, new = placed
         holder = np.frombuffer(view, dtype=np.uint8)
         # let_go, not free: a finalizer may run while this thread holds the arena's lock
         weakref.finalize(holder, self.arena.let_go, segment, offset).atexit = False
-        return segment, offset, holder, new
+        return segment, holder, new
 
-    def on_registered(self, result: dict[str, Any]) -> None:
-        """The server's answer to a ``register`` of this session's run id."""
-        if self.result_mapper is None and isinstance(result.get("result_run_id"), str):
-            self.result_mapper = ShmMapper(result["result_run_id"])
-        for segment in result.get("mapped") or []:
-            if self.arena is not None and segment in self.arena.segments:
-                self.arena.unlink(segment)  # the server unlinked it already; this makes sure
+    def borrow(self, address: int, nbytes: int) -> tuple[str, int, int] | None:
+        """The lent block a tensor at ``address`` lies in, held by one more request (None: not lent)."""
+        return None if self.arena is None else self.arena.borrow(address, nbytes)
 
-    def free(self, blocks: list[tuple[str, int]]) -> None:
-        if self.arena is not None:
+    def free(self, blocks: Iterable[tuple[str, int]], mapped: bool = False) -> None:
+        """The peer is done with these blocks of ours; ``mapped``: it has mapped their segments."""
+        arena = self.arena
+        if arena is None:
+            return
+        if self._limit is None:
             for segment, offset in blocks:
-                self.arena.free(segment, offset)  # a no-op once the arena is closed
+                arena.free(segment, offset)  # a no-op once the arena is closed
+            segments = [segment for segment, _ in blocks] if mapped else ()
+        else:
+            segments = []
+            with self._lock:
+                for key in blocks:
+                    nbytes = self._outstanding.pop(key, None)
+                    if nbytes is not None:  # (a peer's list is not trusted)
+                        self._outstanding_bytes -= nbytes
+                        arena.free(*key)
+                        segments.append(key[0])
+        if mapped:
+            self.peer_mapped(segments)
 
-    def result_view(self, segment: str, offset: int, nbytes: int) -> memoryview:
-        """A writable view of a result block, no copy. Whatever is built over it keeps it (and
-        the mapping) alive; once the last of that is collected the block goes to ``released``."""
-        if self.result_mapper is None:
-            raise ProtocolError("a shared-memory result arrived before this client registered")
-        holder = np.frombuffer(self.result_mapper.view(segment, offset, nbytes), dtype=np.uint8)
+    def peer_mapped(self, segments: Iterable[str]) -> None:
+        """The peer has mapped these segments of ours: unlink their names (once each)."""
+        arena = self.arena
+        for segment in segments:
+            if arena is None or segment in self._unlinked:
+                continue
+            try:
+                arena.unlink(segment)
+            except ValueError:  # not ours, or closed
+                continue
+            self._unlinked.add(segment)
+
+    def hold(self, key: Any, blocks: list) -> None:
+        """The peer still reads ``blocks`` after answering ``key``: freed at its ``inputs_done``."""
+        self.held[key] = blocks
+
+    def inputs_done(self, key: Any) -> None:
+        blocks = self.held.pop(key, None)
+        if blocks is not None:
+            self.free(blocks)
+
+    # -- the peer's arena ------------------------------------------------------------------
+
+    def map_peer(self, run_id: str) -> None:
+        """The peer's arena is ``run_id`` (ValueError for a malformed one)."""
+        if self.mapper is None:
+            self.mapper = ShmMapper(run_id)
+
+    def admit(self, segment: str) -> None:
+        """Map a segment the peer registered and unlink its name at once (a crash cannot leak it)."""
+        self.mapper.view(segment, 0, 0)  # checks the name, its run, its owner; maps it
+        self.admitted.add(segment)
+        try:
+            os.unlink(os.path.join("/dev/shm", segment))
+        except FileNotFoundError:
+            pass
+
+    def view(self, segment: str, offset: int, nbytes: int) -> memoryview:
+        """A view of the peer's block, no copy; ProtocolError for a segment it did not register."""
+        if self.admitted is not None and segment not in self.admitted:
+            raise ProtocolError(f"segment {segment!r} was not registered by this connection"[:300])
+        if self.mapper is None:
+            raise ProtocolError("a shared-memory tensor arrived before the session was registered")
+        return self.mapper.view(segment, offset, nbytes)
+
+    def tracked_view(self, segment: str, offset: int, nbytes: int) -> memoryview:
+        """``view``, whose block goes to ``released`` once the last array built over it is collected."""
+        holder = np.frombuffer(self.view(segment, offset, nbytes), dtype=np.uint8)
         # the holder is the one owner of the mapped view: every array over the block is based on it
         weakref.finalize(holder, self.released.append, (segment, offset)).atexit = False
         return memoryview(holder)
 
     def take_released(self) -> list[list[Any]]:
-        """Up to ``MAX_RELEASE_BLOCKS`` collected result blocks, as a ``release`` lists them."""
+        """Up to ``MAX_RELEASE_BLOCKS`` collected blocks, as a ``release`` lists them."""
         released, blocks = self.released, []
         while released and len(blocks) < MAX_RELEASE_BLOCKS:
             try:
@@ -142,22 +221,23 @@ class ShmSession:
         self.released.extendleft((segment, offset) for segment, offset in reversed(blocks))
 
     def close(self) -> None:
-        self.closed = True
-        if self.arena is not None:
-            self.arena.close()
-        if self.result_mapper is not None:
-            self.result_mapper.close()
+        with self._lock:
+            self.closed = True
+            if self.arena is not None:
+                self.arena.close()
+        if self.mapper is not None:
+            self.mapper.close()
 
 
-class ShmSessions:
-    """The session with the current server instance (``current``; None: frames only, or not yet),
-    and where a request's tensors go. ``post(frames)`` queues a message ahead of later requests."""
+class CurrentSession:
+    """The client's session with the current server instance (``current``; None: frames only, or not
+    yet), and where a request's tensors go. ``post(frames)`` queues a message ahead of later requests."""
 
     def __init__(self, enabled: bool, shm_threshold: int, post: Callable[[list[Any]], None]) -> None:
         self.enabled = enabled
         self.shm_threshold = shm_threshold
         self._post = post
-        self.lock = threading.Lock()  # current, and its arena
+        self.lock = threading.Lock()  # current, and what is announced of its arena
         self.current: ShmSession | None = None
         self._bound: tuple[Any, Any, Any] = (None, None, None)  # (session, place, borrow), made once a session
 
@@ -167,12 +247,12 @@ class ShmSessions:
         return self.enabled and (session is None or (not session.usable and not session.refused))
 
     def start(self, server_id: str) -> bytes | None:
-        """A new server instance: a new session (the old one dropped before); its ``register`` to send
-        at once, or None with shared memory off."""
+        """A new server instance (``server_id``): a new session (the old one dropped before); its
+        ``register`` to send at once, or None with shared memory off."""
         if not self.enabled:
             return None
         with self.lock:
-            self.current = ShmSession(server_id)
+            self.current = ShmSession()
             return register_header(self.current.run_id, [], pid=os.getpid())
 
     def registered(self, header: dict[str, Any]) -> bool:
@@ -185,7 +265,9 @@ class ShmSessions:
                     session.refused = True
                     return False
                 return True
-            session.on_registered(result)
+            if isinstance(result.get("result_run_id"), str):
+                session.map_peer(result["result_run_id"])
+            session.peer_mapped(result.get("mapped") or [])  # unlinked by the server already; making sure
         return True
 
     def drop(self, swept: bool = False) -> None:
@@ -214,9 +296,10 @@ class ShmSessions:
         """A lent block of the current session's arena (``Client.empty``); None without a usable session."""
         with self.lock:
             session = self.current
-            if session is None or not session.usable:
+            lent = session.lend(nbytes) if session is not None and session.usable else None
+            if lent is None:
                 return None
-            segment, offset, holder, new = session.lend(nbytes)
+            segment, holder, new = lent
             if new:
                 self._post([register_header(session.run_id, [segment])])
         return holder
@@ -224,9 +307,10 @@ class ShmSessions:
     def _place(self, session: ShmSession, nbytes: int) -> tuple[str, int, memoryview] | None:
         """A block of the arena for a request tensor."""
         with self.lock:
-            if session is not self.current or not session.usable:
+            placed = session.place(nbytes) if session is self.current and session.usable else None
+            if placed is None:
                 return None
-            segment, offset, view, new = session.place(nbytes)
+            segment, offset, view, new = placed
             if new:
                 self._post([register_header(session.run_id, [segment])])
             return segment, offset, view
@@ -236,4 +320,4 @@ class ShmSessions:
         with self.lock:
             if session is not self.current or not session.usable:
                 return None
-            return session.arena.borrow(address, nbytes)
+            return session.borrow(address, nbytes)

@@ -349,7 +349,7 @@ class MessageHandler:
             "ranks_per_replica": engine.ranks_per_replica,
             "replicas": [{"index": r.index, "healthy": r.healthy, "inflight": r.inflight,
                           "devices": list(r.devices), "error": r.error, "restarts": r.restarts,
-                          "restarting": r.restarting} for r in engine.replicas],
+                          "restarting": r.restarting, "plugin_info": r.plugin_info} for r in engine.replicas],
             "inflight": len(self.requests),
             "max_inflight": self._options.max_inflight,
             "accepting": self.accepting,

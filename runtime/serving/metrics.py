@@ -14,6 +14,8 @@ this module, and ``NullMetrics``, works without it.
                                                                           phyrt_replica_healthy{replica}
                                                                           phyrt_replica_restarts{replica}
                                                                           phyrt_replica_restarting{replica}
+                                                                          phyrt_plugin_<key>{replica}: each
+                                                                          number of the runner's info()
                                                                        <- GET /healthz: 200 "ok"
                                                                        <- GET /readyz: 200 while a replica
                                                                           is healthy, else 503 and why
@@ -32,6 +34,7 @@ only to read a value, so it never stalls the server's I/O thread.
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 from socketserver import ThreadingMixIn
@@ -131,6 +134,10 @@ class ServerMetrics:
         return _prometheus().generate_latest(self.registry)
 
 
+#: the info keys that become gauges (``phyrt_plugin_<key>``): Prometheus metric-name characters
+_METRIC_KEY = re.compile(r"[a-z_][a-z0-9_]{0,63}")
+
+
 class ReplicaSample(NamedTuple):
     """What the metrics and probes read of one replica's status."""
 
@@ -140,6 +147,7 @@ class ReplicaSample(NamedTuple):
     restarts: int
     restarting: bool
     error: str | None
+    plugin_info: dict  # the numbers of the runner's info (``ReplicaStatus.plugin_info``)
 
 
 def _replica(status: Any) -> ReplicaSample:
@@ -150,9 +158,12 @@ def _replica(status: Any) -> ReplicaSample:
         return status.get(key, default) if isinstance(status, dict) else getattr(status, key, default)
 
     error = get("error", None)
+    info = get("plugin_info", None) or {}
+    numbers = {key: float(value) for key, value in info.items() if isinstance(key, str) and _METRIC_KEY.fullmatch(key)
+               and isinstance(value, (int, float)) and not isinstance(value, bool)}
     return ReplicaSample(str(int(get("index"))), bool(get("healthy")), int(get("inflight")),
                          int(get("restarts", 0) or 0), bool(get("restarting", False)),
-                         None if error is None else str(error))
+                         None if error is None else str(error), numbers)
 
 
 class _ReplicaCollector:
@@ -180,6 +191,14 @@ class _ReplicaCollector:
             restarts.add_metric([r.index], r.restarts)
             restarting.add_metric([r.index], 1.0 if r.restarting else 0.0)
         yield from (inflight, healthy, restarts, restarting)
+        plugin: dict[str, Any] = {}
+        for r in replicas:
+            for key, value in r.plugin_info.items():
+                if key not in plugin:
+                    plugin[key] = GaugeMetricFamily(f"phyrt_plugin_{key}", f"The plugin runner's info() {key!r} "
+                                                    "(rank 0's, as of its last snapshot).", labels=["replica"])
+                plugin[key].add_metric([r.index], value)
+        yield from plugin.values()
         yield GaugeMetricFamily("phyrt_replicas_healthy", "Replicas that can serve now.",
                                 value=sum(r.healthy for r in replicas))
 

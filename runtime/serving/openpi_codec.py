@@ -33,8 +33,9 @@ import numpy as np
 import torch
 
 from runtime.core.errors import ProtocolError
-from runtime.transport.codec import (CLIP, ITEMSIZE, MAX_DEPTH, MAX_NDIM, MAX_TENSOR_BYTES, NP_CODES, NP_DTYPES,
-                                     NP_NAMES, Unencodable, check_bools, check_dims, check_nbytes, encode)
+from runtime.transport.codec import MAX_DEPTH, encode
+from runtime.transport.tensor_fields import (CLIP, ITEMSIZE, MAX_NDIM, MAX_TENSOR_BYTES, NP_CODES, NP_DTYPES, NP_NAMES,
+                                             Unencodable, check_bools, check_dims, check_nbytes)
 
 __all__ = ["decode_observation", "encode_result", "pack_metadata"]
 

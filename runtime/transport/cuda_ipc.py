@@ -21,8 +21,9 @@ from typing import Any
 import msgpack
 
 from runtime.core.errors import ProtocolError
-from runtime.transport.codec import (FLOAT_NAMES, ITEMSIZE, MAX_TENSOR_BYTES, check_dims, check_dtype, check_keys, ext,
-                                     is_int)
+from runtime.transport.codec import ext
+from runtime.transport.tensor_fields import (FLOAT_NAMES, ITEMSIZE, MAX_TENSOR_BYTES, check_dims, check_dtype, check_keys,
+                                             is_int)
 
 EXT_CUDA_IPC = 3
 

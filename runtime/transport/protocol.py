@@ -32,7 +32,7 @@ in another language is written from. This module is the frame codec under them: 
 carries ``v`` (``PROTOCOL_VERSION``, checked by ``unpack_header``) and an ``id``
 (``is_request_id``). Shared memory (ipc:// only): a client registers its own segments, and
 the server maps only those, checks every offset and size, and unlinks each name right after
-mapping it (``runtime.serving.shm``, ``runtime.client.shm``).
+mapping it (``runtime.link.session``, ``runtime.link.peer_shm``).
 
 Decoding treats its input as untrusted: every failure raises ``ProtocolError``.
 
@@ -56,7 +56,9 @@ import zmq
 
 from runtime.core.errors import ProtocolError
 from runtime.transport import bulk_copy, codec
-from runtime.transport.codec import ITEMSIZE, MAX_DEPTH, MAX_NDIM, check_dtype
+from runtime.transport import tensor_fields
+from runtime.transport.codec import MAX_DEPTH
+from runtime.transport.tensor_fields import ITEMSIZE, MAX_NDIM, check_dtype
 
 __all__ = ["PROTOCOL_VERSION", "EXT_FRAME", "EXT_SHM", "MAX_DEPTH", "MAX_NDIM", "MAX_TENSOR_FRAMES", "MAX_ID_CHARS",
            "DEFAULT_SHM_THRESHOLD", "ITEMSIZE", "is_request_id", "PayloadEncoder", "Packed", "pack_header",
@@ -74,7 +76,7 @@ _REFUSAL = "cannot send a {}"
 
 
 def is_request_id(value: Any) -> bool:
-    if type(value) is int or codec.is_int(value):  # (an int, as nearly every id is, in one look)
+    if type(value) is int or tensor_fields.is_int(value):  # (an int, as nearly every id is, in one look)
         return 0 <= value < 2**64
     return isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS
 
@@ -236,7 +238,7 @@ def unpack_header(data: Any, max_bytes: int, refs: list | None = None) -> dict[s
         raise ProtocolError(f"a header must be a msgpack map, got {type(msg).__name__}")
     if msg.get("v") != PROTOCOL_VERSION or isinstance(msg.get("v"), bool):
         raise ProtocolError(f"protocol version {msg.get('v')!r} is not {PROTOCOL_VERSION}, the one this side speaks"
-                            [:codec.CLIP])
+                            [:tensor_fields.CLIP])
     return msg
 
 
@@ -289,28 +291,28 @@ class TensorResolver:
         else:
             raise ProtocolError(f"unknown extension type {ext.code}")
         if name == "bool":
-            codec.check_bools(buf, count)
+            tensor_fields.check_bools(buf, count)
         return make(buf, name, shape)
 
     def _frame(self, body: Any) -> tuple[memoryview, str, list[int], int]:
         if not isinstance(body, list) or len(body) != 3:
             raise ProtocolError("a frame tensor must be [dtype, shape, index]")
-        name, shape, index = check_dtype(body[0]), codec.check_dims(body[1], "shape", _DIM_BOUND), body[2]
-        if not codec.is_int(index) or not 0 <= index < len(self.frames):
+        name, shape, index = check_dtype(body[0]), tensor_fields.check_dims(body[1], "shape", _DIM_BOUND), body[2]
+        if not tensor_fields.is_int(index) or not 0 <= index < len(self.frames):
             raise ProtocolError(f"tensor frame index {index!r} is out of range ({len(self.frames)} frames)"
-                                [:codec.CLIP])
+                                [:tensor_fields.CLIP])
         if self.used[index]:
             raise ProtocolError(f"tensor frame {index} is referenced twice")
         self.used[index] = True
         buf = _buffer(self.frames[index])
-        return buf, name, shape, codec.check_nbytes(name, shape, buf.nbytes, f"frame {index} has")
+        return buf, name, shape, tensor_fields.check_nbytes(name, shape, buf.nbytes, f"frame {index} has")
 
     def _shm(self, body: Any) -> tuple[memoryview, str, list[int], int]:
         if not isinstance(body, list) or len(body) != 4:
             raise ProtocolError("a shared-memory tensor must be [segment, offset, dtype, shape]")
         segment, offset = body[0], body[1]
-        name, shape = check_dtype(body[2]), codec.check_dims(body[3], "shape", _DIM_BOUND)
-        codec.check_placement(segment, offset, name)
+        name, shape = check_dtype(body[2]), tensor_fields.check_dims(body[3], "shape", _DIM_BOUND)
+        tensor_fields.check_placement(segment, offset, name)
         if self.shm_view is None:
             raise ProtocolError("a shared-memory tensor arrived, but this connection has none registered")
         count = math.prod(shape)
@@ -332,15 +334,15 @@ def numpy_tensor(buf: memoryview, name: str, shape: list[int]) -> np.ndarray:
 def numpy_view(buf: memoryview, name: str, shape: list[int]) -> np.ndarray:
     """An array over ``buf`` itself, no copy: it keeps ``buf``'s exporter alive, and is
     writable if ``buf`` is."""
-    return codec.build(buf, name, shape, math.prod(shape), "numpy")
+    return tensor_fields.build(buf, name, shape, math.prod(shape), "numpy")
 
 
 def torch_tensor(buf: memoryview, name: str, shape: list[int]) -> Any:
     """A writable copy the caller owns."""
-    return codec.build(bytearray(buf), name, shape, math.prod(shape), "torch")
+    return tensor_fields.build(bytearray(buf), name, shape, math.prod(shape), "torch")
 
 
 def torch_view(buf: memoryview, name: str, shape: list[int]) -> Any:
     """A tensor over ``buf`` itself, no copy (``buf`` must be writable): it keeps ``buf``'s
     exporter alive, as ``numpy_view`` does."""
-    return codec.build(buf, name, shape, math.prod(shape), "torch")
+    return tensor_fields.build(buf, name, shape, math.prod(shape), "torch")

@@ -52,8 +52,9 @@ import msgpack
 import numpy as np
 
 from runtime.core.errors import ProtocolError
-from runtime.transport import codec, cuda_ipc
-from runtime.transport.codec import MAX_DEPTH, MAX_NDIM, MAX_TENSOR_BYTES, ITEMSIZE, check_dtype
+from runtime.transport import codec, cuda_ipc, tensor_fields
+from runtime.transport.codec import MAX_DEPTH
+from runtime.transport.tensor_fields import ITEMSIZE, MAX_NDIM, MAX_TENSOR_BYTES, check_dtype
 from runtime.transport.cuda_ipc import EXT_CUDA_IPC
 
 __all__ = ["PROTOCOL_VERSION", "EXT_INLINE", "EXT_SHM", "EXT_CUDA_IPC", "DEFAULT_INLINE_THRESHOLD",
@@ -98,7 +99,7 @@ class TensorEncoder:
     cuda_ipc: bool = True
 
     def __post_init__(self) -> None:
-        if not codec.is_int(self.inline_threshold) or self.inline_threshold < 0:
+        if not tensor_fields.is_int(self.inline_threshold) or self.inline_threshold < 0:
             raise ValueError(f"inline_threshold must be an int >= 0, got {self.inline_threshold!r}")
 
 
@@ -268,15 +269,15 @@ def unpack_message(
     version = msg["v"]
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version!r} is not {PROTOCOL_VERSION}, the one this side speaks"
-                            [:codec.CLIP])
+                            [:tensor_fields.CLIP])
     kind = msg["type"]
     if type(kind) is not str or not kind:
-        raise ProtocolError(f"message type must be a non-empty str, got {kind!r}"[:codec.CLIP])
+        raise ProtocolError(f"message type must be a non-empty str, got {kind!r}"[:tensor_fields.CLIP])
     if expected_types is not None and kind not in expected_types:
         raise ProtocolError(f"unexpected message type {kind!r}; expected one of {sorted(expected_types)}"
-                            [:codec.CLIP])
+                            [:tensor_fields.CLIP])
     if type(msg["id"]) is not int and type(msg["id"]) is not str:
-        raise ProtocolError(f"message id must be an int or a str, got {msg['id']!r}"[:codec.CLIP])
+        raise ProtocolError(f"message id must be an int or a str, got {msg['id']!r}"[:tensor_fields.CLIP])
     return msg
 
 
@@ -293,27 +294,27 @@ def _decode_ext(dec: TensorDecoder, code: int, payload: bytes) -> Any:
 def _decode_inline(body: Any, dec: TensorDecoder) -> Any:
     if not isinstance(body, list) or len(body) != 3:
         raise ProtocolError("an inline tensor must be [dtype, shape, bytes]")
-    name, shape, raw = check_dtype(body[0]), codec.check_dims(body[1], "shape", _DIM_BOUND), body[2]
+    name, shape, raw = check_dtype(body[0]), tensor_fields.check_dims(body[1], "shape", _DIM_BOUND), body[2]
     if not isinstance(raw, bytes):
         raise ProtocolError(f"inline tensor data must be bytes, got {type(raw).__name__}")
-    count = codec.check_nbytes(name, shape, len(raw))
-    return codec.build(bytearray(raw), name, shape, count, dec.tensor_type)  # bytearray: writable, owned
+    count = tensor_fields.check_nbytes(name, shape, len(raw))
+    return tensor_fields.build(bytearray(raw), name, shape, count, dec.tensor_type)  # bytearray: writable, owned
 
 
 def _decode_shm(body: Any, dec: TensorDecoder) -> Any:
-    ref = codec.check_keys(body, _SHM_KEYS, "shared-memory")
-    name, shape = check_dtype(ref["dtype"]), codec.check_dims(ref["shape"], "shape", _DIM_BOUND)
+    ref = tensor_fields.check_keys(body, _SHM_KEYS, "shared-memory")
+    name, shape = check_dtype(ref["dtype"]), tensor_fields.check_dims(ref["shape"], "shape", _DIM_BOUND)
     segment, offset, nbytes = ref["segment"], ref["offset"], ref["nbytes"]
-    codec.check_placement(segment, offset, name)
-    if not codec.is_int(nbytes) or nbytes < 0:
-        raise ProtocolError(f"nbytes must be an int >= 0, got {nbytes!r}"[:codec.CLIP])
-    count = codec.check_nbytes(name, shape, nbytes)
+    tensor_fields.check_placement(segment, offset, name)
+    if not tensor_fields.is_int(nbytes) or nbytes < 0:
+        raise ProtocolError(f"nbytes must be an int >= 0, got {nbytes!r}"[:tensor_fields.CLIP])
+    count = tensor_fields.check_nbytes(name, shape, nbytes)
     if dec.mapper is None:
         raise ProtocolError("a shared-memory tensor arrived but this decoder has no mapper")
     view = dec.mapper.view(segment, offset, nbytes)
     if len(view) != nbytes:
         raise ProtocolError(f"mapper returned {len(view)} bytes for {segment}+{offset}, expected {nbytes}")
-    return codec.build(view, name, shape, count, dec.tensor_type)
+    return tensor_fields.build(view, name, shape, count, dec.tensor_type)
 
 
 _DEFAULT_DECODER = TensorDecoder()  # here, once _decode_ext exists
