@@ -1,7 +1,8 @@
 """The rank processes as the operating system sees them: the thread they are started from, how
 one died (read without reaping it; the blame), and their reapers (SIGTERM, a grace, SIGKILL, then
-their pipes closed). Standard library and ``runtime.transport.shm_names`` only: a rank imports
-this module (``run_module_main``) before anything heavy.
+their pipes closed). Standard library, ``runtime.transport.shm_names`` and
+``runtime.link.rank_protocol`` only: a rank imports this module (``run_module_main``) before
+anything heavy.
 
 Why ranks are started from a ``SpawnThread``: a rank must die within moments of its engine's
 SIGKILL whatever it is doing, so it asks the kernel for it (``prctl(PR_SET_PDEATHSIG, SIGKILL)``,
@@ -43,6 +44,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from runtime.link.rank_protocol import ORPHAN_EXIT
 from runtime.transport.shm_names import sweep_creators
 
 log = logging.getLogger("phyrt.supervisor")
@@ -58,8 +60,6 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 #: the kernel keeps 15 bytes of a thread's name (and a NUL)
 _NAME_BYTES = 15
-#: the exit code of a rank whose engine is gone
-ORPHAN_EXIT = 70
 
 
 @dataclass
@@ -133,8 +133,9 @@ def die_with_parent() -> None:
     goes, even while its main thread holds the GIL in a long C call (a Python thread watching
     the parent could not run then). The kernel's "parent" is the thread that forked the rank,
     hence ``SpawnThread``. A parent that died before the ``prctl`` took effect is caught by
-    comparing ``getppid()`` with the parent's pid. Where ``prctl`` is unavailable, a thread
-    waiting on multiprocessing's parent sentinel (EOF once the parent is gone) is the fallback.
+    comparing ``getppid()`` with the parent's pid. Where ``prctl`` is unavailable, the rank's
+    heartbeat thread is the fallback: it exits the rank (``ORPHAN_EXIT``) at the first beat after its
+    parent pid changed (``workers.main``), a heartbeat interval after the engine's death at most.
     """
     parent = multiprocessing.parent_process()
     if parent is None:
@@ -147,15 +148,8 @@ def die_with_parent() -> None:
         armed = False
     if os.getppid() != parent.pid:  # the parent died before the prctl took effect
         os._exit(ORPHAN_EXIT)
-    if armed:
-        return
-    sentinel = parent.sentinel  # EOF once the parent is gone: only it holds the write end
-
-    def watch() -> None:
-        multiprocessing.connection.wait([sentinel])
-        os._exit(ORPHAN_EXIT)
-
-    threading.Thread(target=watch, name="phyrt-death-watch", daemon=True).start()
+    if not armed:
+        log.warning("no prctl(PR_SET_PDEATHSIG) here: this rank notices its engine's death by its heartbeat")
 
 
 class SpawnThread:

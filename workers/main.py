@@ -94,6 +94,7 @@ class _Heartbeat:
         self._socket.setsockopt(zmq.IDENTITY, identity)
         self._socket.connect(address)
         self._interval = interval
+        self._parent = os.getppid()  # a change means the engine is gone (see _run)
         #: the output rank's EngineCore once built: its ``info_snapshot`` rides on the beats
         self.core: Any = None
         self._stop = threading.Event()
@@ -104,6 +105,8 @@ class _Heartbeat:
         beat, sent = 0, None
         try:
             while not self._stop.is_set():
+                if os.getppid() != self._parent:  # where PDEATHSIG is missing: the engine died
+                    os._exit(rp.ORPHAN_EXIT)
                 info = self.core.info_snapshot if self.core is not None else None
                 if info is not None and info is not sent:  # a new snapshot rides on this beat
                     message, sent = wire.pack_message(rp.HB, beat, info=info), info

@@ -28,7 +28,7 @@ from typing import Any
 
 from runtime.core.errors import RemoteError
 
-__all__ = ["REQUEST", "CANCEL", "FREE", "SHUTDOWN", "READY", "STARTUP_ERROR", "DONE", "PARTIAL", "HB", "Message",
+__all__ = ["ORPHAN_EXIT", "REQUEST", "CANCEL", "FREE", "SHUTDOWN", "READY", "STARTUP_ERROR", "DONE", "PARTIAL", "HB", "Message",
            "MESSAGES", "INBOX", "CONTROL", "ANSWERS", "ERROR_FIELDS", "error_fields", "remote_error"]
 
 REQUEST = "request"
@@ -41,6 +41,9 @@ DONE = "done"
 PARTIAL = "partial"
 HB = "hb"
 
+#: the exit status of a rank that found its engine gone (``supervisor.processes.die_with_parent``, or
+#: where the kernel cannot kill it with its parent, its heartbeat thread)
+ORPHAN_EXIT = 70
 #: how a rank reports an exception: its type's qualified name, its text and its traceback text
 ERROR_FIELDS = ("error_type", "message", "traceback")
 
