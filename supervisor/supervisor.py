@@ -212,11 +212,11 @@ class WorkerSupervisor:
     # -- the link thread's end ---------------------------------------------------------
 
     def tick(self, now: float) -> float:
-        """Heartbeats and the start every heartbeat_interval_s / 2, request deadlines when due; the
-        rings flushed. When to tick next."""
+        """Heartbeats and the start every heartbeat_interval_s / 2, and at the moment the quietest rank
+        would pass heartbeat_timeout_s; request deadlines when due; the rings flushed. When to tick next."""
         if now >= self._next_check:
-            self._check_deadlines(now)
-            self._next_check = now + self.config.heartbeat_interval_s / 2
+            quiet_until = self._check_deadlines(now)
+            self._next_check = min(now + self.config.heartbeat_interval_s / 2, quiet_until)
         due, waiting = self._next_check, False
         for group in self._replicas:
             deadline = group.pending.peek_deadline()
@@ -229,15 +229,21 @@ class WorkerSupervisor:
         self.wake_at = due
         return now + 0.002 if waiting else due
 
-    def _check_deadlines(self, now: float) -> None:
+    def _check_deadlines(self, now: float) -> float:
+        """Fail the replicas with a rank silent past heartbeat_timeout_s, and a start past its timeout;
+        when the quietest serving rank would pass it (so that a silence is found when it happens)."""
         hb_timeout = self.config.heartbeat_timeout_s
+        quiet_until = float("inf")
         for group in self._replicas:
             # a starting rank may hold the GIL in its build: startup_timeout_s covers it
             late = [r for r in group.ranks if r.ready and now - r.last_beat > hb_timeout]
             if late and group.failed is None:
                 self._fail(group, f"rank {late[0].rank} sent no heartbeat for {now - late[0].last_beat:.1f} s "
                                   f"(heartbeat_timeout_s={hb_timeout})")
+            elif group.failed is None:
+                quiet_until = min([quiet_until, *(r.last_beat + hb_timeout + 0.001 for r in group.ranks if r.ready)])
         self._startup.check_timeout(self._started, now)
+        return quiet_until
 
     def _expire(self, group: Replica, now: float) -> None:
         entry = group.pending.earliest()

@@ -180,11 +180,11 @@ def stall_io_thread(sup: Any) -> tuple[threading.Event, threading.Event]:
     heartbeat_interval_s / 2) until the returned ``release`` is set; ``stuck`` is set once it blocks."""
     release, stuck, check = threading.Event(), threading.Event(), sup._check_deadlines
 
-    def stalled(now: float) -> None:
+    def stalled(now: float) -> float:
         if threading.get_ident() == sup._link.thread.ident:
             stuck.set()
             release.wait(60)
-        check(now)
+        return check(now)
 
     sup._check_deadlines = stalled
     return release, stuck

@@ -38,6 +38,8 @@ CONFIGS = {
     "nocache-chunked": {"prefix_caching": False},
     # 24 blocks of 4: one sequence of 81 tokens needs 21 of them, so cached blocks are evicted
     "evict": {"kv_cache_blocks": 24},
+    # the CUDA-graph path's static decode buffers (run eagerly on the CPU), over shared blocks
+    "static": {"static_decode": True},
 }
 
 
