@@ -301,9 +301,13 @@ class Link:
         self._fail(done)
 
     def _fail(self, done: list) -> None:
+        """(On the link thread.) Complete ``done``; wake a caller that holds the socket, whose own
+        future may be among them. One that takes it later finds its future done before it polls."""
         if done:
             self.awaited.complete(done)
-            self.dealer.pipe.wake()  # a reading caller's own future may be among them
+            holder = self.dealer.holder
+            if holder is not None and holder != threading.get_ident():
+                self.dealer.pipe.wake()
 
     def shut(self) -> None:
         self.dealer.shut()
