@@ -31,7 +31,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
-from typing import Any, Callable, Generic, Iterator, Mapping, TypeVar
+from typing import Any, Callable, Generic, Mapping, TypeVar
 
 #: claimed entries the heap may hold beyond twice the table before ``add`` drops them
 _HEAP_SLACK = 64
@@ -176,14 +176,6 @@ class PendingTable(Generic[E]):
                 entry.claimed = True
             self._heap = []
         return taken
-
-    def snapshot(self) -> list[E]:
-        """The entries in the table now (a copy, for a scan outside the lock)."""
-        with self.lock:
-            return list(self._entries.values())
-
-    def __iter__(self) -> Iterator[E]:
-        return iter(self.snapshot())
 
     def _drop(self, entry: E) -> bool:
         """Under ``lock``."""
