@@ -10,6 +10,9 @@ Sections (run in this order; ``--only`` picks some):
                websocket peer: small requests, a 5 MiB image, throughput with 1 and 8 client processes (--quick: 8)
     fleet      Client([a, b]) over two servers against Client(a): the routing client's cost per request,
                requests/s from 1 and 8 client processes (--quick: 8) with 1 and 2 servers
+    batching   dynamic batching off and on (a fixed-cost plugin that models an accelerator kernel, and the
+               policy demo): requests/s and p50/p99 from 1, 8 and 16 client processes; a high-priority
+               client's latency against a server saturated by low-priority ones, priority on and off
     cpp        the C++ client (examples/cpp/client_call) against runtime.client and the bare ZMQ+msgpack
                echo floor: small-request round trip, p50 and p99
     openpi     openpi's client against phyrt's openpi door, a plain websockets + msgpack_numpy server running
@@ -35,7 +38,7 @@ import argparse
 import os
 import sys
 
-SECTIONS = ("latency", "compute", "serving", "fleet", "cpp", "openpi", "scaling", "lifecycle", "collectives", "llm", "gpu")
+SECTIONS = ("latency", "compute", "serving", "fleet", "batching", "cpp", "openpi", "scaling", "lifecycle", "collectives", "llm", "gpu")
 #: the committed report (the last full run on the 2-core CI-like machine): written only when asked for
 COMMITTED_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -60,6 +63,8 @@ def _runner(name: str):
         from bench.compute import run
     elif name == "fleet":
         from bench.fleet import run
+    elif name == "batching":
+        from bench.batching import run
     elif name == "cpp":
         from bench.cpp import run
     elif name == "openpi":

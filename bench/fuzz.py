@@ -491,8 +491,8 @@ class Inputs:
             msg["op"] = rng.choice(["submit", "submit", "register", "release", "cancel", "ping", "info",
                                     self.scalar()])
             msg["id"] = rng.choice([1, "a", 2**64 - 1, -1, "x" * 129, None, 1.5])
-            for key in rng.sample(["payload", "timeout_s", "shm_results", "run_id", "segments", "pid", "blocks",
-                                   "target", "result", "ok", "error", "extra"], rng.randrange(0, 5)):
+            for key in rng.sample(["payload", "timeout_s", "shm_results", "priority", "run_id", "segments", "pid",
+                                   "blocks", "target", "result", "ok", "error", "extra"], rng.randrange(0, 5)):
                 msg[key] = self.obj(1)
         else:
             msg["type"] = rng.choice(["request", "free", "shutdown", "ready", "done", "startup_error", "hb", ""]

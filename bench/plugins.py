@@ -10,6 +10,9 @@ Every rank of a replica runs each request; rank 0 answers. Requests are dicts wi
     cuda_result  a CUDA tensor of request["mib"] MiB that this rank keeps (allocated once,
                  filled with 1.0), returned as a CUDA-IPC result
 
+``bench.plugins:FixedCost`` models an accelerator kernel for the batching section: a forward
+costs ``fixed_ms + per_sample_ms * samples`` of wall time (a sleep), and little CPU.
+
 ``bench.plugins:ImageMeanPolicy`` is a stand-in for a vision policy, cheap on purpose (the openpi
 section measures the door, not a model): ``{"image": uint8 [B, H, W, 3]}`` -> ``{"actions":
 float32 [B, 8, 7]}``, a fixed linear map of the per-channel mean of every 4th row and column.
@@ -156,3 +159,55 @@ class Double(Entry):
 
     def build(self, ctx: Any, plugin_args: Any) -> DoubleRunner:
         return DoubleRunner()
+
+
+class FixedCostRunner:
+    def __init__(self, fixed_ms: float, per_sample_ms: float) -> None:
+        self.fixed_s, self.per_sample_s = fixed_ms / 1e3, per_sample_ms / 1e3
+
+    def _forward(self, samples: int) -> None:
+        time.sleep(self.fixed_s + self.per_sample_s * samples)
+
+    def execute(self, request: dict) -> dict:
+        self._forward(int(request["obs"].shape[0]))
+        return {"y": request["obs"] * 2}
+
+    def execute_batch(self, requests: list[dict]) -> list[dict]:
+        """One forward (one sleep) for the whole batch, then each request's result."""
+        self._forward(sum(int(r["obs"].shape[0]) for r in requests))
+        return [{"y": r["obs"] * 2} for r in requests]
+
+
+class FixedCost(Entry):
+    """A model of an accelerator kernel: ``{"obs": float32 [B, 32]}`` -> ``{"y": 2 * obs}``, and
+    each forward costs ``time.sleep(fixed_ms + per_sample_ms * samples)``: wall time while the
+    device works, little CPU (the host only waits), so that batching B requests costs about one
+    fixed part instead of B of them. ``samples``: the leading sizes of the forward's requests,
+    summed; ``execute_batch`` sleeps once for the batch. ``plugin_args``: None or a dict with
+    ``fixed_ms`` (10) and ``per_sample_ms`` (0.2). Single rank only."""
+
+    name = "bench-fixed-cost"
+    DEFAULTS = {"fixed_ms": 10.0, "per_sample_ms": 0.2}
+
+    def configure(self, plugin_args: Any) -> None:
+        self._args(plugin_args)
+
+    def _args(self, plugin_args: Any) -> dict[str, float]:
+        if plugin_args is None:
+            return dict(self.DEFAULTS)
+        unknown = sorted(set(plugin_args) - set(self.DEFAULTS)) if isinstance(plugin_args, dict) else None
+        if unknown is None or unknown:
+            raise TypeError(f"FixedCost takes None or a dict with {sorted(self.DEFAULTS)}, got {plugin_args!r}")
+        args = {**self.DEFAULTS, **plugin_args}
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in args.values()):
+            raise ValueError(f"FixedCost plugin_args must be numbers >= 0, got {plugin_args!r}")
+        return {k: float(v) for k, v in args.items()}
+
+    def validate_request(self, request: Any) -> None:
+        obs = request.get("obs") if isinstance(request, dict) else None
+        if getattr(obs, "ndim", 0) != 2:
+            raise ValueError(f"FixedCost requests are {{'obs': float32 [B, 32]}}, got {type(request).__name__}")
+
+    def build(self, ctx: Any, plugin_args: Any) -> FixedCostRunner:
+        args = self._args(plugin_args)
+        return FixedCostRunner(args["fixed_ms"], args["per_sample_ms"])

@@ -1,7 +1,8 @@
 """The demo plugin ``policy``: an action-chunk MLP with seeded random weights.
 
 Request ``{"obs": float32 [B, obs_dim]}`` -> result ``{"actions": float32 [B, horizon, act_dim]}``
-(values in [-1, 1]). The network is tensor-parallel over ``dense_tp``::
+(values in [-1, 1]). ``execute_batch`` runs a batch of such requests (``BatchingConfig``) in one
+forward. The network is tensor-parallel over ``dense_tp``::
 
     obs -> Column(obs_dim, hidden) -> gelu -> Row(hidden, hidden) -> gelu
         -> Column(hidden, hidden) -> gelu -> Row(hidden, horizon*act_dim) -> tanh -> reshape
@@ -26,6 +27,7 @@ from torch.nn import functional as F
 
 from models.layers import ColumnParallelLinear, RowParallelLinear
 from runtime import BuildContext, Entry, ParallelConfig
+from runtime.batching import leading_sizes, stack, unstack
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,11 @@ class PolicyRunner:
             actions = self.model(obs.to(self.device, self.dtype)).float()
         # A clone made outside inference mode is an ordinary tensor the caller may edit in place.
         return {"actions": actions.clone()}
+
+    def execute_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:
+        """``execute`` of each request (equal ``batch_key``: obs [B_i, obs_dim] of one dtype), in one
+        forward over the concatenated obs. Every rank of a tp replica runs the same batch."""
+        return unstack(self.execute(stack(requests)), leading_sizes(requests, "obs"))
 
 
 class PolicyEntry(Entry):

@@ -15,6 +15,7 @@ _EXPORTS = {
     "ReplicaStatus": "runtime.engine",
     "EngineArgs": "runtime.core.config",
     "EngineConfig": "runtime.core.config",
+    "BatchingConfig": "runtime.core.config",
     "DeviceConfig": "runtime.core.config",
     "ParallelConfig": "runtime.core.config",
     "OuterParallelConfig": "runtime.core.config",
@@ -33,12 +34,15 @@ _EXPORTS = {
     "RemoteError": "runtime.core.errors",
 }
 
-__all__ = sorted(_EXPORTS) + ["parallel"]
+#: public submodules, imported on first use: ``runtime.parallel``, ``runtime.batching``
+_SUBMODULES = ("batching", "parallel")
+
+__all__ = sorted(_EXPORTS) + list(_SUBMODULES)
 
 
 def __getattr__(name: str) -> Any:
-    if name == "parallel":
-        return importlib.import_module("runtime.parallel")
+    if name in _SUBMODULES:
+        return importlib.import_module(f"runtime.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'runtime' has no attribute {name!r}")

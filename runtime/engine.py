@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from runtime.core.config import DeploymentConfig, EngineArgs
 from runtime.execution.dispatcher import RequestDispatcher
 from runtime.core.errors import EngineUnavailableError
+from runtime.core.priority import check_priority
 from runtime.execution.executor import ReplicaExecutor, ReplicaStatus
 from runtime.core.plugins import Entry, resolve_plugin
 
@@ -95,7 +96,9 @@ class Engine:
 
             devices = placement[0]
             ctx = make_context(self.args.config, device_index=devices[0] if self.deployment.devices else None)
-            return [InlineExecutor(EngineCore(self._entry, self.args.plugin_args, ctx), 0, devices)]
+            batching = self.args.config.batching
+            core = EngineCore(self._entry, self.args.plugin_args, ctx, batching.max_batch_size)
+            return [InlineExecutor(core, 0, devices, batching.max_delay_ms / 1000)]
         if self.mode == "local":
             import msgpack
 
@@ -125,18 +128,23 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------
 
-    def submit(self, request: Any) -> Future:
+    def submit(self, request: Any, *, priority: int = 0) -> Future:
         """Validate ``request`` here, then hand it to a replica; returns at once.
 
-        Raises the plugin's own error for a bad payload, and
-        ``EngineUnavailableError`` when the engine is closed or no replica is healthy.
+        ``priority`` (an int): larger is sooner. A replica serves its queued requests highest
+        priority first, FIFO within a level, and fills a batch from the highest levels first;
+        a request already running is never preempted.
+
+        Raises the plugin's own error for a bad payload, ``TypeError``/``ValueError`` for a bad
+        priority, and ``EngineUnavailableError`` when the engine is closed or no replica is healthy.
         """
         if not self._finalizer.alive:
             raise EngineUnavailableError("the engine is closed")
+        priority = check_priority(priority)
         self._entry.validate_request(request)
-        return self._dispatcher.submit(request)
+        return self._dispatcher.submit(request, None, priority)
 
-    def stream(self, request: Any, timeout: float | None = None) -> Stream:
+    def stream(self, request: Any, timeout: float | None = None, *, priority: int = 0) -> Stream:
         """Run ``request`` as a stream: an iterator of its chunks, as the plugin makes them.
 
         Validation errors and ``EngineUnavailableError`` are raised here. ``timeout``
@@ -150,22 +158,23 @@ class Engine:
         if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         stream = Stream(timeout)
-        return stream.start(self._submit_call(request, stream.call))
+        return stream.start(self._submit_call(request, stream.call, priority))
 
-    def submit_stream(self, request: Any, on_chunk: Callable[[Any], None]) -> StreamCall:
+    def submit_stream(self, request: Any, on_chunk: Callable[[Any], None], *, priority: int = 0) -> StreamCall:
         """Submit ``request`` as a stream: ``on_chunk(chunk)`` for each chunk but the last (called
         from the engine's thread: it must not block), ``.future`` for the last chunk, ``.cancel()``."""
         from runtime.execution.stream_call import StreamCall
 
         call = StreamCall(on_chunk)
-        call.future = self._submit_call(request, call)
+        call.future = self._submit_call(request, call, priority)
         return call
 
-    def _submit_call(self, request: Any, call: StreamCall) -> Future:
+    def _submit_call(self, request: Any, call: StreamCall, priority: int) -> Future:
         if not self._finalizer.alive:
             raise EngineUnavailableError("the engine is closed")
+        priority = check_priority(priority)
         self._entry.validate_request(request)
-        return self._dispatcher.submit(request, call)
+        return self._dispatcher.submit(request, call, priority)
 
     def empty(self, shape: Any, dtype: Any = None) -> Any:
         """A new, uninitialised CPU tensor placed where this engine's transport reads it.
@@ -206,17 +215,18 @@ class Engine:
             return None
         return executors[0].idle_runner(self._entry.validate_request)
 
-    def step(self, request: Any, timeout: float | None = None) -> Any:
+    def step(self, request: Any, timeout: float | None = None, *, priority: int = 0) -> Any:
         """Run one request and return its result.
 
         With ``timeout`` (seconds), raises ``TimeoutError`` when no result came in
         time; a request that was still queued is then cancelled, one that was
-        running goes on and its result is dropped.
+        running goes on and its result is dropped. ``priority``: as in ``submit``.
         """
         if not self._finalizer.alive:
             raise EngineUnavailableError("the engine is closed")
+        priority = check_priority(priority)
         self._entry.validate_request(request)
-        return self._dispatcher.call(request, timeout)
+        return self._dispatcher.call(request, timeout, priority)
 
     # -- state ---------------------------------------------------------------------
 

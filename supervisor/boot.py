@@ -174,12 +174,14 @@ class Launcher:
             "threads": max(1, usable_cores() // total),
             "heartbeat_interval_s": config.heartbeat_interval_s, "startup_timeout_s": config.startup_timeout_s,
             "arena_bytes": ARENA_BYTES, "spin_ns": worker_spin_ns,
+            "max_batch_size": args.config.batching.max_batch_size,
         }
         # CUDA tensors cross as CUDA-IPC handles; only ranks we spawned are trusted to send them
         cuda = target == "cuda"
         for replica, devices in enumerate(placement):
+            batching = args.config.batching
             group = Replica(replica, first_replica + replica, ShmArena(self._run_id, ARENA_BYTES),
-                            config.execution_timeout_s)
+                            config.execution_timeout_s, (batching.max_batch_size, batching.max_delay_ms / 1000))
             replicas.append(group)  # closed with the supervisor from here on, as its ring
             group.ring = BroadcastWriter(self._run_id, len(devices))
             where = {**common, **self._rendezvous(config, replica, first_replica + replica),
@@ -284,11 +286,14 @@ class Answers:
                 return
             entry = group.done(r, msg)
             if entry is not None:  # completed after this poll's bookkeeping, before anything fails it
+                group.answered(entry)  # the next batch goes to the ranks now
                 self._ready.append((entry.future, msg.get("result")))
                 self._finished.append((group, entry))
         elif kind == rp.PARTIAL:
             self._chunks.append((group.stream_of(r, msg), msg.get("chunk")))
         elif kind == rp.READY:
+            if r.rank == 0:
+                group.stepped(msg.get("stepped"))
             self._startup.rank_ready(r, msg.get("segments"))
         else:  # rp.STARTUP_ERROR
             cause = rp.remote_error(msg)

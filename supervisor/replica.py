@@ -1,8 +1,9 @@
 """The engine end of one replica: its ranks, its requests in flight, its request arena and its ring.
 
     submit(request, future)   encode (tensors -> the request arena; a message larger than a ring
-                              slot too); under ``pending.lock``: registered, then written once to
-                              the broadcast ring (``runtime.link.broadcast``: every rank reads it)
+                              slot too); under ``pending.lock``: registered, then queued in the
+                              replica's ``Lanes`` and written once to the broadcast ring
+                              (``runtime.link.broadcast``: every rank reads it) when its turn comes
     done(rank, msg)           the reader's: rank 0's DONE claims its entry; PARTIAL feeds a stream
     beat(rank, payload)       a heartbeat; rank 0's may carry its runner's info (``info``)
     fail(reason)              once: ``failed`` set under ``pending.lock``, then every entry taken
@@ -20,6 +21,11 @@ Invariants:
   ``arena_lock``: the request arena and ``retired``; it may be taken under ``pending.lock``.
 - A ring write never blocks: a ring without a free slot for some rank keeps the message here, in
   order, until a flush (the reader's after each poll, the watch thread's each turn) finds room.
+- ``window`` (``runtime.link.rank_window``, under ``pending.lock``) decides when a request goes to the
+  ring: an executing runner's wait in its lanes, by priority, in batches, a window at a time; an
+  answered batch lets the next go from the thread that read the answer, a batch waiting out its
+  delay goes from the link thread (``pump`` at ``window.due``). A stepped runner (rank 0's READY
+  says so) gets each request as it comes.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from runtime.core.futures import resolve
 from runtime.link import rank_protocol as rp
 from runtime.link.broadcast import FLAG_CONTROL, FLAG_SPILL, spill_ref
 from runtime.link.pending import Entry, PendingTable
+from runtime.link.rank_window import RankWindow
 from runtime.transport import wire
 from runtime.transport.arena import ShmArena
 from supervisor.processes import RankState
@@ -52,22 +59,26 @@ FREES_PER_MESSAGE = 128
 
 class Pending(Entry):
     """A request broadcast to the ranks: its future, its seq on the ring, the request arena's
-    blocks it placed and, for a stream, its ``StreamCall`` (rank 0's chunks go there)."""
+    blocks it placed and, for a stream, its ``StreamCall`` (rank 0's chunks go there); while it
+    waits its turn, its ring ``message``; once written, its ``batch`` (``[requests unanswered]``)."""
 
-    __slots__ = ("future", "seq", "blocks", "stream")
+    __slots__ = ("future", "seq", "blocks", "stream", "message", "batch")
 
     def __init__(self, key: int, deadline: float | None, future: Any, blocks: list[tuple[str, int]],
                  stream: Any) -> None:
         super().__init__(key, deadline)
         self.future, self.seq, self.blocks, self.stream = future, 0, blocks, stream
+        self.message: tuple[Any, int] | None = None
+        self.batch: list[int] | None = None
 
 
 class Replica:
     """One group of ranks serving one replica of the engine (see the module)."""
 
-    def __init__(self, index: int, engine_replica: int, arena: ShmArena, timeout_s: float | None) -> None:
+    def __init__(self, index: int, engine_replica: int, arena: ShmArena, timeout_s: float | None,
+                 batching: tuple[int, float] = (1, 0.0)) -> None:
         """``index`` counts within the supervisor (a rebuilt replica is group 0 of its own one),
-        ``engine_replica`` within the engine."""
+        ``engine_replica`` within the engine; ``batching``: (max_batch_size, max_delay_s)."""
         self.index, self.engine_replica = index, engine_replica
         self.ranks: list[RankState] = []
         self.arena, self.arena_lock = arena, threading.Lock()
@@ -80,13 +91,14 @@ class Replica:
         self.encoders: list = []  # idle (LockedArena, TensorEncoder) pairs (list.pop/append are atomic)
         self._timeout_s = timeout_s
         self._ids = itertools.count()
+        self.window = RankWindow(*batching)  # under pending.lock
 
     def unavailable(self) -> EngineUnavailableError:
         return EngineUnavailableError(f"replica {self.engine_replica} is not serving: {self.failed or 'closed'}")
 
     # -- requests ----------------------------------------------------------------------
 
-    def submit(self, request: Any, future: Any, stream: Any = None) -> Pending:
+    def submit(self, request: Any, future: Any, stream: Any = None, priority: int = 0) -> Pending:
         """Write ``request`` to the ring; ``future`` gets rank 0's answer, ``stream`` (a
         ``StreamCall``) its chunks before that. Raises EngineUnavailableError once failed."""
         if self.failed is not None:
@@ -101,10 +113,33 @@ class Replica:
                 self.free_blocks(placed)
                 raise self.unavailable()
             table.add_locked(entry)
-            entry.seq = self.ring.write(payload, flags)
+            if self.window.size is None:
+                entry.seq = self.ring.write(payload, flags)
+            else:
+                entry.message = (payload, flags)
+                self.window.queue_locked(entry, request, priority, self.ring)
         if stream is not None:
             stream.bind_cancel(functools.partial(self.cancel, request_id))
         return entry
+
+    def stepped(self, stepped: Any) -> None:
+        """Rank 0's READY: whether its runner forms its own batches (then no window)."""
+        if stepped is True:
+            self.window.direct()
+
+    def answered(self, entry: Pending) -> None:
+        """``entry``'s answer was taken (the reader's): the last of its batch lets the next go."""
+        if entry.batch is not None:
+            with self.pending.lock:
+                if self.window.answered(entry) and self.failed is None:
+                    self.window.pump_locked(self.ring)
+
+    def pump(self) -> float | None:
+        """The link thread's, at ``window.due``: write the batches due; when the next one is."""
+        with self.pending.lock:
+            if self.failed is None:
+                self.window.pump_locked(self.ring)
+            return self.window.due
 
     def cancel(self, request_id: int) -> None:
         """A stream's cancel hook: CANCEL on the ring, behind its request, while it is in flight."""
@@ -180,6 +215,7 @@ class Replica:
         for the caller to fail. The request arena closes: no rank reads this replica's requests again."""
         if not self._stop(reason):
             return None
+        self.window.lanes.close(reason)
         taken = self.pending.take_all()
         with self.arena_lock:
             self.arena.close()  # its names go now (a growth segment of a request in flight included)
@@ -187,7 +223,9 @@ class Replica:
 
     def close(self, reason: str) -> tuple[bool, list[Pending]]:
         """close(): whether it was serving until now, and the entries taken."""
-        return self._stop(reason), self.pending.take_all()
+        serving = self._stop(reason)
+        self.window.lanes.close(reason)
+        return serving, self.pending.take_all()
 
     def _stop(self, reason: str) -> bool:
         with self.pending.lock:

@@ -136,6 +136,10 @@ class WorkerSupervisor:
         """Why ``replica``'s group stopped serving ("the engine is closed" after close); None while healthy."""
         return self._replicas[replica].failed
 
+    def queue_stats(self, replica: int) -> dict | None:
+        """``replica``'s queue counters (``runtime.core.queue_stats``)."""
+        return self._replicas[replica].window.lanes.stats.snapshot()
+
     def plugin_info(self, replica: int) -> dict | None:
         """Rank 0's runner info as its latest heartbeat carrying one had it; None until one came."""
         return self._replicas[replica].info
@@ -146,13 +150,14 @@ class WorkerSupervisor:
         called: look at ``group_error`` after registering."""
         self._reaping.listen(replica, callback)
 
-    def start_call(self, replica: int, request: Any, then: Callable[[], None] | None = None) -> Slot:
+    def start_call(self, replica: int, request: Any, then: Callable[[], None] | None = None,
+                   priority: int = 0) -> Slot:
         """``Engine.step``'s send: ``submit`` with a ``Slot`` for ``finish_call`` (``then()`` once
         answered or failed), the calling thread made the reader first when nobody reads."""
         slot = Slot(then)
         reading = self._role.take_free()
         try:
-            self.submit(replica, request, slot)
+            self.submit(replica, request, slot, None, priority)
         except BaseException:
             if reading:
                 self._role.leave()
@@ -166,13 +171,16 @@ class WorkerSupervisor:
             raise TimeoutError(f"no result within {timeout} s (the request was still running; its result is dropped)")
         return slot.result()
 
-    def submit(self, replica: int, request: Any, future: Any, stream: Any = None) -> None:
+    def submit(self, replica: int, request: Any, future: Any, stream: Any = None, priority: int = 0) -> None:
         """Send ``request`` to every rank of ``replica``; ``future`` gets rank 0's answer, ``stream``
         (a ``StreamCall``) the chunks of a streamed request. The future is completed by whichever
         thread reads the answers (the link thread when no caller does)."""
-        entry = self._replicas[replica].submit(request, future, stream)
-        # the link thread reads when nobody else does (or sleeps past this deadline)
-        if self._role.holder is None or (entry.deadline is not None and entry.deadline < self.wake_at):
+        group = self._replicas[replica]
+        entry = group.submit(request, future, stream, priority)
+        # the link thread reads when nobody else does (or sleeps past this deadline, or a batch's delay)
+        due = group.window.due
+        if self._role.holder is None or (entry.deadline is not None and entry.deadline < self.wake_at) \
+                or (due is not None and due < self.wake_at):
             self._link.wake()
 
     def empty(self, replica: int, shape: tuple[int, ...], dtype: Any) -> Any:
@@ -225,6 +233,8 @@ class WorkerSupervisor:
                     self._expire(group, now)
                     deadline = group.pending.next_deadline()
                 due = min(due, deadline or due)
+            if group.window.due is not None:  # a batch waiting out its delay
+                due = min(due, group.pump() or due)
             waiting = group.flush() or waiting
         self.wake_at = due
         return now + 0.002 if waiting else due

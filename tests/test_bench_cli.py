@@ -22,7 +22,7 @@ def test_help_lists_the_options_and_sections():
     out = subprocess.run([sys.executable, "-m", "bench", "--help"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
-    for word in ("--quick", "--only", "--out", "bench/results", "latency", "compute", "openpi", "lifecycle", "gpu"):
+    for word in ("--quick", "--only", "--out", "bench/results", "latency", "compute", "batching", "openpi", "lifecycle", "gpu"):
         assert word in out.stdout
 
 

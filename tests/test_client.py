@@ -56,6 +56,7 @@ from runtime.client import Client
 with Client({echo.address!r}) as c:
     r = c.call({{"x": np.arange(6, dtype=np.int64).reshape(2, 3)}}, timeout=30)
     assert r["x"].tolist() == [[0, 1, 2], [3, 4, 5]], r
+    assert c.submit({{"p": 1}}, timeout=30, priority=-3).result(30) == {{"p": 1}}  # priority: torch-free too
 print("torch-free ok")
 """
     out = _run_python(code)
@@ -912,15 +913,20 @@ def test_a_header_with_a_packed_payload_is_the_plain_header():
 
 
 def test_a_plain_payload_is_packed_without_an_encoder_into_the_same_bytes():
+    import msgpack
+
     from runtime.link.client_protocol import plain_submit, submit_message
     from runtime.transport.protocol import PayloadEncoder
 
     plain = [{"obs": [1.5, 2.5], "task": "t", "n": None, "b": b"\x00\xff", "deep": {"x": [[1, 2], (3, 4)]}},
              [1, "two", 3.0], "text", 2**63, {}]
     for payload in plain:
-        for timeout, shm, stream in ((None, False, False), (0.5, True, False), (2, False, True)):
-            data = plain_submit(5, timeout, shm, payload, stream)
-            assert data == submit_message(PayloadEncoder(copy=False), 5, timeout, shm, payload, None, stream)
+        for timeout, shm, stream, priority in ((None, False, False, 0), (0.5, True, False, 7),
+                                               (2, False, True, -2**31)):
+            data = plain_submit(5, timeout, shm, payload, stream, priority)
+            assert data == submit_message(PayloadEncoder(copy=False), 5, timeout, shm, payload, None, stream,
+                                          priority)
+            assert msgpack.unpackb(data).get("priority") == (priority or None)
     # a tensor, a numpy scalar, a map key that is not a str, an int past 64 bits: the encoder's
     # path takes them (and names what it refuses)
     for payload in ({"x": np.zeros(3, np.float32)}, {"x": np.float32(1.5)}, {1: "a"}, {"x": 2**70},

@@ -163,6 +163,52 @@ def test_client_call_prints_the_actions_the_python_client_gets(cpp_build, policy
 
 
 @pytest.mark.timeout(900)
+def test_a_call_with_a_priority_gets_the_same_answer(cpp_build, policy_server):
+    plain = client_call(cpp_build, policy_server.address)
+    for priority in ("5", "-2147483648", "2147483647"):
+        out = client_call(cpp_build, policy_server.address, "--priority", priority, "--calls", "2")
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout) == json.loads(plain.stdout)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("args, sent", [(("--priority", "7"), 7), (("--priority", "-2147483648"), -2**31),
+                                        ((), None), (("--priority", "0"), None)])
+def test_the_priority_goes_in_the_submit_header_and_0_stays_out(cpp_build, tmp_path, args, sent):
+    """What client_call sends, read by a bare ROUTER; its answer (an error) ends the call."""
+    import msgpack
+    import zmq
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    address = f"ipc://{tmp_path}/r.sock"
+    router.bind(address)
+    proc = subprocess.Popen([str(cpp_build / "client_call"), "--address", address, "--timeout-s", "30", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        header = None
+        while header is None:
+            assert router.poll(30_000, zmq.POLLIN), "client_call sent no submit"
+            identity, head, *frames = router.recv_multipart()
+            decoded = msgpack.unpackb(head, raw=False)
+            if decoded.get("op") == "submit":
+                header = decoded
+        assert header.get("priority", None) == sent and ("priority" in header) == (sent is not None), header
+        assert list(header) == ["v", "op", "id", "timeout_s", *(["priority"] if sent is not None else []), "payload"]
+        router.send_multipart([identity, msgpack.packb({"v": 1, "op": "submit", "id": header["id"], "ok": False,
+                                                        "error": {"type": "InvalidRequest", "message": "seen"}})])
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        router.close()
+        ctx.term()
+    assert proc.returncode == INVALID_REQUEST and "InvalidRequestError: seen" in err, err
+
+
+@pytest.mark.timeout(900)
 def test_a_bad_request_comes_back_as_invalid_request_error(cpp_build, policy_server):
     out = client_call(cpp_build, policy_server.address, "--obs-dim", "31")
     assert out.returncode == INVALID_REQUEST, out.stdout + out.stderr

@@ -25,7 +25,7 @@ class FakeExecutor(ReplicaExecutor):
         self.closed = False
         self.fail_on_submit = False
 
-    def _submit(self, request, future, lead=False):
+    def _submit(self, request, future, stream=None, priority=0):
         if self.fail_on_submit:
             self.mark_failed("died between the health check and the send")
             raise EngineUnavailableError("replica gone")
@@ -122,7 +122,7 @@ class SlowSend(FakeExecutor):
 
         self.sending, self.go = threading.Event(), threading.Event()
 
-    def _submit(self, request, future, lead=False):
+    def _submit(self, request, future, stream=None, priority=0):
         self.sending.set()
         assert self.go.wait(10)
         super()._submit(request, future)

@@ -153,6 +153,7 @@ OPS = ["submit", "cancel", "ping", "info", "register", "release"]
 server_messages = st.fixed_dictionaries(
     {"v": st.just(1) | scalars, "op": st.sampled_from(OPS) | scalars, "id": ids},
     optional={"payload": frame_objects, "timeout_s": st.floats() | scalars, "shm_results": scalars,
+              "priority": scalars | st.integers(-(2**31) - 1, 2**31),
               "run_id": scalars | st.sampled_from(["", "abcd", "0" * 33]), "segments": st.lists(names | scalars,
                                                                                                    max_size=70),
               "pid": scalars, "blocks": st.lists(st.lists(names | scalars, max_size=3), max_size=4) | scalars,

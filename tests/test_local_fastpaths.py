@@ -136,7 +136,7 @@ def test_engine_core_run_is_add_then_step():
             return Runner()
 
     core = EngineCore(Doubler(), None, make_context(EngineConfig()))
-    assert not core.batching
+    assert not core.stepped
     assert core.run(7, 21) == [(7, 42, None)]
     core.add(8, 21)
     assert core.step() == [(8, 42, None)] and not core.has_unfinished()

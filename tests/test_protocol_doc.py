@@ -250,9 +250,12 @@ def test_the_clients_headers_carry_their_ops_fields():
     for stream in (False, True):
         op = _op("stream" if stream else "submit")
         least = cp.plain_submit(1, None, False, {"x": 1}, stream=stream)
-        most = submit_message(PayloadEncoder(copy=True), 1, 2.0, True, {"obs": OBS}, [["s", 0]], stream)
+        most = submit_message(PayloadEncoder(copy=True), 1, 2.0, True, {"obs": OBS}, [["s", 0]], stream, -3)
         assert msgpack.unpackb(least)["op"] == op.name and _keys(least) == HEADER_FIELDS | set(op.required)
         assert _keys(most) == HEADER_FIELDS | op.fields
+        # priority 0, the default, is not sent: the header is the one it was before the field existed
+        assert cp.plain_submit(1, None, False, {"x": 1}, stream, 0) == least
+        assert msgpack.unpackb(cp.plain_submit(1, None, False, {"x": 1}, stream, 7))["priority"] == 7
 
 
 def test_the_servers_replies_carry_their_fields(server):

@@ -82,7 +82,7 @@ def test_every_unpack_site_expects_a_set_of_the_table():
 
 
 def test_the_sets_follow_the_table():
-    assert rp.INBOX == {rp.REQUEST, rp.CANCEL} and rp.CONTROL == {rp.FREE, rp.SHUTDOWN}
+    assert rp.INBOX == {rp.REQUEST, rp.BATCH, rp.CANCEL} and rp.CONTROL == {rp.FREE, rp.SHUTDOWN}
     assert rp.ANSWERS == {rp.READY, rp.STARTUP_ERROR, rp.DONE, rp.PARTIAL}
     assert all(m.socket == "hb" for m in rp.MESSAGES.values() if m.type not in rp.INBOX | rp.CONTROL | rp.ANSWERS)
 

@@ -7,6 +7,7 @@ supervisor poll their sockets.
 
 from __future__ import annotations
 
+import gc
 import os
 import select
 import sys
@@ -100,7 +101,15 @@ def asleep(ident: int | None) -> bool:
     """Whether thread ``ident`` is inside ``ReaderRole.wait`` and blocked there in a ``threading``
     wait (an Event's or a Condition's, as ``Slot.wait`` and ``concurrent.futures.wait`` are), rather
     than polling, spinning or reading."""
-    frame = sys._current_frames().get(ident)
+    # with the collector off: on Python 3.11 a collection that starts inside _current_frames (which
+    # holds the interpreter's thread-list lock) can deadlock (CPython gh-106883; it hung a full run)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        frame = sys._current_frames().get(ident)
+    finally:
+        if collecting:
+            gc.enable()
     if frame is None or frame.f_code.co_name != "wait" or frame.f_code.co_filename != threading.__file__:
         return False
     while frame is not None and frame.f_code is not ReaderRole.wait.__code__:

@@ -44,6 +44,9 @@ class StandInSupervisor:
     def plugin_info(self, group: int) -> dict | None:
         return None
 
+    def queue_stats(self, group: int) -> dict | None:
+        return None
+
     def on_group_failure(self, group: int, callback) -> None:
         self.listeners.setdefault(group, []).append(callback)
 
@@ -53,7 +56,7 @@ class StandInSupervisor:
         for callback in self.listeners.pop(group, []):
             threading.Thread(target=callback).start()
 
-    def submit(self, group: int, request, future: Future, stream=None) -> None:
+    def submit(self, group: int, request, future: Future, stream=None, priority=0) -> None:
         future.set_result((id(self), group, request))
 
     def close(self) -> None:

@@ -233,7 +233,8 @@ def fuzz(address: str, count: int, seed: int) -> None:
         lambda: [P({"v": 1, "op": rng.choice(["shutdown", "", "exec", 5, None, ["submit"], "SUBMIT"]), "id": 1})],
         lambda: [P({"v": 1, "op": "ping", "id": rng.choice([1.5, -1, -2**63, "", "x" * 129, True, [1], {"a": 1}])})],
         lambda: [P({"v": 1, "op": rng.choice(["ping", "info"]), "id": 1, rng.choice(["extra", "debug"]): 1})],
-        lambda: submit({"obs": 1}, priority=9),
+        lambda: submit({"obs": 1}, urgency=9),  # an unknown field
+        lambda: submit({"obs": 1}, priority=rng.choice(["high", 1.5, True, None, [1], {"p": 1}, 2**40, -2**63])),
         lambda: [rng.choice([b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xffabc",
                              b"\xc6\xff\xff\xff\xff", b"\xc9\xff\xff\xff\xff\x01",
                              b"\x84" + P("v") + P(1) + P("op") + P("submit") + P("id") + P(1) + P("payload")

@@ -1,8 +1,8 @@
 """The rank process of a local replica: ``main(bootstrap)`` is its entry point.
 
     supervisor (engine process)                       this rank
-    BroadcastWriter /dev/shm/phyrt-RUN-PID-SEQ ---->  BroadcastReader  main thread: serve loop
-      (requests, cancels, frees, shutdown; once)        (runtime.link.broadcast)
+    BroadcastWriter /dev/shm/phyrt-RUN-PID-SEQ ---->  BroadcastReader  main thread: the serve loop
+      (requests, batches, cancels, frees, shutdown)     (runtime.link.broadcast; workers.serve_loop)
     ROUTER ipc://RUN_DIR/ctl  <------ DEALER "c-R-r" ---  main thread: ready; done, partial (output rank)
     ROUTER ipc://RUN_DIR/hb   <------ DEALER "h-R-r" ---  heartbeat thread: "hb" every interval
     engine's spawn thread     ------- exits/dies ------>  kernel: SIGKILL (PR_SET_PDEATHSIG)
@@ -24,34 +24,6 @@ ranks connect to it. Either way ``GLOO_SOCKET_IFNAME=lo`` keeps gloo's own liste
 pairs; on cuda the ``cpu_group``) on loopback too, whatever the host name resolves
 to. NCCL keeps its defaults (on one host its data goes through shm/p2p; its
 bootstrap sockets follow ``NCCL_SOCKET_IFNAME``).
-
-Serve: every rank of the replica reads every message of its replica from the one broadcast
-ring, in the same order, so all ranks enter the plugin's collectives together. Only the output
-rank (rank 0) answers: "done" for each request (with its result, or its error) and "partial" for
-each stream chunk. The other ranks send nothing per request but "done" {ok: false} when their
-plugin raises; because ranks that share collectives cannot resume mid-request, the supervisor
-then takes the group down. Non-output ranks have no result arena.
-
-Release: a rank tells the ring it is done with a message (``BroadcastReader.release``, in
-order): an executing runner after ``run``, a stepped one after ``add``, a control message at
-once. The engine frees a request's arena blocks once the output rank answered and every rank
-released it, so a stepped plugin must not keep request tensors on a non-output rank past the
-output rank's answer.
-
-Executing runners stay in lock step by construction (same requests, same order,
-one at a time). A stepped runner admits whatever has arrived before each step,
-which may differ between ranks by a message, so a stepped plugin that runs
-collectives must agree on each step's batch itself (rank 0 decides and
-broadcasts it on ``P.cpu_group()``).
-
-Streams: a "request" with ``stream: true`` is admitted as a stream (``EngineCore.add``); a
-"cancel" {id} behind it on the ring reaches the runner's ``cancel``. The output rank sends each
-``Partial`` chunk as "partial" {id, chunk} before the request's "done"; the other ranks drop
-theirs. An executing runner runs one request at a time: a "cancel" it reads is dropped (the
-request it names ran already).
-
-Shutdown: "shutdown" is the ring's last message, and the engine closes the ring with it; a
-rank sees the ring closed ahead of any request still queued in it, and stops.
 
 The heartbeat thread has its own socket (ZMQ sockets are not thread-safe) and
 keeps beating while the main thread is inside a forward pass (torch releases the
@@ -77,14 +49,11 @@ from typing import Any
 import msgpack
 import zmq
 
-from runtime.core.plugins import Partial
 from runtime.link import rank_protocol as rp
-from runtime.link.broadcast import CLOSED, FLAG_CONTROL, BroadcastReader
+from runtime.link.broadcast import BroadcastReader
 from runtime.transport import wire
 from runtime.transport.arena import ShmArena, ShmMapper
-
-#: inline tensors up to this size; larger CPU tensors go through shared memory
-INLINE_LIMIT = 64 * 1024
+from workers.serve_loop import serve
 
 
 class _Heartbeat:
@@ -143,10 +112,11 @@ def main(bootstrap: bytes) -> None:
             ctl.send(wire.pack_message(rp.STARTUP_ERROR, rank, **rp.error_fields(exc)))
             code = 1
             return
-        ctl.send(wire.pack_message(rp.READY, rank, segments=arena.segments if arena is not None else []))
+        ctl.send(wire.pack_message(rp.READY, rank, segments=arena.segments if arena is not None else [],
+                                   stepped=core.stepped))
         if arena is not None:  # the output rank
             heartbeat.core = core
-        _serve(ctl, ring, core, arena, decoder=wire.TensorDecoder(mapper=mapper, allow_cuda_ipc=boot["target"] == "cuda"))
+        serve(ctl, ring, core, arena, decoder=wire.TensorDecoder(mapper=mapper, allow_cuda_ipc=boot["target"] == "cuda"))
     except BaseException:
         traceback.print_exc()  # the supervisor sees the exit; the text goes to the log
         code = 1
@@ -193,7 +163,7 @@ def _start(boot: dict[str, Any]):
     entry.configure(boot["plugin_args"])
     ctx = make_context(config, rank=rank, world_size=world, replica_index=boot["replica_index"],
                        device_index=boot["device"])
-    core = EngineCore(entry, boot["plugin_args"], ctx)
+    core = EngineCore(entry, boot["plugin_args"], ctx, boot["max_batch_size"])
     # only the output rank answers with results: only it needs a result arena
     arena = ShmArena(boot["run_id"], boot["arena_bytes"]) if rank == 0 else None
     mapper = ShmMapper(boot["run_id"])
@@ -254,73 +224,6 @@ def _timedelta(seconds: float):
     import datetime
 
     return datetime.timedelta(seconds=seconds)
-
-
-def _serve(ctl: zmq.Socket, ring: BroadcastReader, core: Any, arena: ShmArena | None, decoder: Any) -> None:
-    """Read the ring until it closes (or says "shutdown"): admit, run or step, and answer."""
-    is_output = arena is not None
-    encoder = wire.TensorEncoder(allocator=arena, inline_threshold=INLINE_LIMIT) if is_output else None
-    batching = core.batching
-    served = False  # after an answer: look for the next request a moment before sleeping
-    while True:
-        # Block for messages only while the runner has nothing to advance (an executing one
-        # never has: it runs each request as it is taken).
-        stepping = batching and core.has_unfinished()
-        got = ring.recv(0 if stepping else None, spin=served)
-        served = False
-        done: list = []
-        while got is not None:
-            if got is CLOSED:
-                return
-            seq, flags, data = got
-            if flags & FLAG_CONTROL:
-                msg = wire.unpack_message(data, expected_types=rp.CONTROL)
-                ring.release(seq)
-                if msg["type"] == rp.SHUTDOWN:
-                    return
-                for segment, offset in msg["blocks"] if is_output else ():
-                    arena.free(segment, offset)
-            elif batching:  # admit whatever has arrived, then step once
-                msg = wire.unpack_message(data, expected_types=rp.INBOX, tensor_decoder=decoder)
-                if msg["type"] == rp.CANCEL:
-                    core.cancel(msg["id"])
-                else:
-                    core.add(msg["id"], msg["payload"], msg.get("stream") is True)
-                ring.release(seq)  # its tensors stay valid until the output rank answers (the rule)
-            else:  # one at a time: the rest stay in the ring
-                msg = wire.unpack_message(data, expected_types=rp.INBOX, tensor_decoder=decoder)
-                if msg["type"] == rp.REQUEST:
-                    done = core.run(msg["id"], msg["payload"])
-                ring.release(seq)
-                if done:
-                    break
-            got = ring.recv(0)
-        if batching:
-            done = core.step()
-        if done:
-            served = _answer(ctl, done, encoder)
-
-
-def _answer(ctl: zmq.Socket, done: list, encoder: wire.TensorEncoder | None) -> bool:
-    """From the output rank (``encoder``): "partial" for each stream chunk and "done" for each
-    completion, with its result or error; from another rank only "done" {ok: false} for an
-    error. True when some request completed."""
-    for request_id, result, error in done:
-        if type(result) is Partial:
-            if encoder is not None:
-                ctl.send(wire.pack_message(rp.PARTIAL, request_id, chunk=result.chunk, tensor_encoder=encoder))
-            continue
-        if error is None and encoder is not None:
-            try:
-                reply = wire.pack_message(rp.DONE, request_id, ok=True, result=result, tensor_encoder=encoder)
-            except Exception as exc:  # a result the wire cannot carry fails like the plugin did
-                error = exc
-        if error is not None:
-            reply = wire.pack_message(rp.DONE, request_id, ok=False, **rp.error_fields(error))
-        elif encoder is None:
-            continue  # a non-output rank's completion: nothing to say
-        ctl.send(reply)
-    return True
 
 
 def _shutdown(core: Any, arena: ShmArena | None, mapper: ShmMapper | None, ring: BroadcastReader | None) -> None:

@@ -11,7 +11,8 @@
 // it). --help prints the options.
 // --print KEY prints the result's tensor KEY instead (an echo plugin answers "obs"). --sleep-s S
 // adds "sleep": S to the request, which tests.plugins:Echo honours: the tests hold a request in
-// flight with it.
+// flight with it. --priority N sends each request with that priority (larger is sooner; 0, the
+// default, is not sent).
 #include <phyrt/client.hpp>
 
 #include <cstdio>
@@ -44,6 +45,7 @@ const char kUsage[] =
     "  --timeout-s S             each call's deadline, in seconds (30)\n"
     "  --print KEY               the result's tensor to print (actions)\n"
     "  --sleep-s S               adds \"sleep\": S to the request (tests.plugins:Echo sleeps that long)\n"
+    "  --priority N              each request's priority, an int32: larger is sooner (0)\n"
     "  --calls N                 then times N more calls\n"
     "  --latency-out PATH        where --calls writes {\"round_trip_ns\": [...]}: each call's round trip in\n"
     "                            nanoseconds (default: stderr)\n"
@@ -77,6 +79,7 @@ struct Options {
   std::uint64_t obs_dim = 32;
   double timeout_s = 30, sleep_s = 0;
   int calls = 0;
+  std::int32_t priority = 0;
   bool help = false;
   phyrt::ClientOptions client;
 };
@@ -96,6 +99,7 @@ Options parse(int argc, char** argv) {
     else if (flag == "--timeout-s") o.timeout_s = std::stod(value);
     else if (flag == "--sleep-s") o.sleep_s = std::stod(value);
     else if (flag == "--calls") o.calls = std::stoi(value);
+    else if (flag == "--priority") o.priority = std::stoi(value);  // std::out_of_range past an int32
     else if (flag == "--latency-out") o.latency_out = value;
     else if (flag == "--print") o.print = value;
     else if (flag == "--heartbeat-interval-s") o.client.heartbeat_interval_s = std::stod(value);
@@ -130,14 +134,14 @@ int main(int argc, char** argv) {
   phyrt::Value payload(request);
   try {
     phyrt::Client client(o.address, o.client);
-    phyrt::Value result = client.call(payload, o.timeout_s);
+    phyrt::Value result = client.call(payload, o.timeout_s, o.priority);
     print_tensor(result[o.print].tensor());
     std::fflush(stdout);
     if (o.calls > 0) {
       std::vector<long long> ns;
       for (int i = 0; i < o.calls; ++i) {
         auto started = std::chrono::steady_clock::now();
-        client.call(payload, o.timeout_s);
+        client.call(payload, o.timeout_s, o.priority);
         ns.push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - started)
                          .count());
       }

@@ -9,7 +9,8 @@ put the root on ``PYTHONPATH`` or ship your own plugin as an installed package.
 
 ``plugin_args``: ``{"weights": PATH}``; the network's sizes come from the file's metadata.
 Request ``{"obs": float [B, obs_dim]}`` (a tensor or numpy array, any float dtype) ->
-result ``{"actions": float32 [B, horizon, action_dim]}``. Single rank per replica:
+result ``{"actions": float32 [B, horizon, action_dim]}``; ``execute_batch`` runs several such
+requests in one forward when the engine batches (``BatchingConfig``). Single rank per replica:
 ``--replicas N`` runs N copies, each loading the file on its own device.
 """
 
@@ -22,6 +23,7 @@ import torch
 
 from examples.own_policy.model import TinyPolicyConfig, load_policy, read_config
 from runtime import BuildContext, Entry
+from runtime.batching import leading_sizes, stack, unstack
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _NP_FLOATS = (np.float16, np.float32, np.float64)
@@ -56,6 +58,11 @@ class OwnPolicyRunner:
             actions = self.model(obs).float()
         # A clone made outside inference mode is an ordinary tensor the caller may edit in place.
         return {"actions": actions.clone()}
+
+    def execute_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:
+        """Dynamic batching (``BatchingConfig``): the requests (equal ``batch_key``: obs [B_i, obs_dim]
+        of one dtype) go through the model in one forward; one result per request, in order."""
+        return unstack(self.execute(stack(requests)), leading_sizes(requests, "obs"))
 
 
 class OwnPolicy(Entry):

@@ -26,6 +26,7 @@ from runtime.client.client import Client, StreamState, _Base
 from runtime.client.routing import RoutingClient
 from runtime.client.server_errors import DeadlineExceededError
 from runtime.core.chunk_stream import EXPIRED
+from runtime.core.priority import check_priority
 
 __all__ = ["AsyncClient", "AsyncClientStream"]
 
@@ -43,15 +44,16 @@ class AsyncClient:
         self.address = address
         self._sources: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def submit(self, payload: Any, *, timeout: float | None = None) -> asyncio.Future:
-        """Send one request from the running loop; await the returned future for the result."""
-        source = self._client.submit(payload, timeout=timeout)
+    def submit(self, payload: Any, *, timeout: float | None = None, priority: int = 0) -> asyncio.Future:
+        """Send one request from the running loop; await the returned future for the result.
+        ``priority``: as ``Client.submit``'s (TypeError or ValueError here, before sending)."""
+        source = self._client.submit(payload, timeout=timeout, priority=priority)
         future = asyncio.wrap_future(source)
         self._sources[future] = source
         return future
 
-    async def call(self, payload: Any, timeout: float | None = None) -> Any:
-        future = self._client.submit(payload, timeout=timeout)
+    async def call(self, payload: Any, timeout: float | None = None, *, priority: int = 0) -> Any:
+        future = self._client.submit(payload, timeout=timeout, priority=priority)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
         except DeadlineExceededError:
@@ -60,15 +62,17 @@ class AsyncClient:
             raise DeadlineExceededError.for_request(f"no result within {timeout} s from {self.address}",
                                                     future.request_id) from None  # type: ignore[attr-defined]
 
-    def stream(self, payload: Any, timeout: float | None = None) -> AsyncClientStream:
+    def stream(self, payload: Any, timeout: float | None = None, *, priority: int = 0) -> AsyncClientStream:
         """Send one request as a stream from the running loop: ``async for chunk in
         client.stream(p)``; leaving early (``aclose()``) cancels it on the server."""
         client = self._client
         if isinstance(client, RoutingClient):  # several servers: the whole stream to the chosen one
             loop = asyncio.get_running_loop()
-            return client._start_stream(payload, timeout, lambda address: AsyncClientStream(address, timeout, loop))
+            return client._start_stream(payload, timeout, lambda address: AsyncClientStream(address, timeout, loop),
+                                        priority)
+        check_priority(priority)  # before the stream's timer starts
         stream = AsyncClientStream(self.address, timeout, asyncio.get_running_loop())
-        future = client._submit(payload, timeout, stream.state)
+        future = client._submit(payload, timeout, stream.state, priority)
         return stream.start(future, client._canceller(future.request_id))  # type: ignore[attr-defined]
 
     async def cancel(self, future: asyncio.Future, timeout: float = 5.0) -> bool:

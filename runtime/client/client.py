@@ -55,6 +55,7 @@ from runtime.client import server_errors
 from runtime.client.routing import RoutingClient
 from runtime.client.server_errors import ConnectionLostError, DeadlineExceededError
 from runtime.core.chunk_stream import ChunkStream
+from runtime.core.priority import check_priority
 from runtime.link.link import Link, LinkOptions
 from runtime.link.link_thread import LinkThread
 from runtime.link.session import ShmSession
@@ -114,22 +115,27 @@ class Client:
 
     # -- the verbs ---------------------------------------------------------------------
 
-    def submit(self, payload: Any, *, timeout: float | None = None) -> Future:
+    def submit(self, payload: Any, *, timeout: float | None = None, priority: int = 0) -> Future:
         """Send one request; the Future gets the result, or a ``ServerError`` subclass.
 
         ``timeout`` (seconds) is the request's deadline on the server: past it the
         Future fails with ``DeadlineExceededError``. ``future.cancel()`` also asks
-        the server to drop the request if it is still queued.
+        the server to drop the request if it is still queued. ``priority``: an int in
+        -2**31..2**31-1, larger is sooner (``Engine.submit``'s); TypeError or ValueError
+        before anything is sent.
         """
-        future = self._submit(payload, timeout)
+        future = self._submit(payload, timeout, None, priority)
         future.add_done_callback(self._on_future_done)
         return future
 
-    def call(self, payload: Any, timeout: float | None = None) -> Any:
-        """``submit(payload, timeout=timeout).result(timeout)``; raises DeadlineExceededError on time-out."""
+    def call(self, payload: Any, timeout: float | None = None, *, priority: int = 0) -> Any:
+        """``submit(payload, timeout=timeout, priority=priority).result(timeout)``; raises
+        DeadlineExceededError on time-out."""
         _check_timeout(timeout)
+        if type(priority) is not int or priority:  # 0, the default, needs no check and is not sent
+            check_priority(priority)
         self._check_open()
-        slot = self._link.call(payload, timeout)
+        slot = self._link.call(payload, timeout, priority)
         if slot.done():
             return slot.result()
         if slot.cancel():
@@ -139,12 +145,12 @@ class Client:
         raise DeadlineExceededError.for_request(f"no result within {timeout} s from {self.address}",
                                                 slot.request_id) from None
 
-    def stream(self, payload: Any, timeout: float | None = None) -> ClientStream:
+    def stream(self, payload: Any, timeout: float | None = None, *, priority: int = 0) -> ClientStream:
         """Send one request as a stream: an iterator of its chunks as the server's plugin makes
         them (``ClientStream``, below); leaving it early cancels the request on the server.
-        ``timeout`` bounds the whole stream (``DeadlineExceededError``)."""
+        ``timeout`` bounds the whole stream (``DeadlineExceededError``); ``priority`` as in ``submit``."""
         stream = ClientStream(self.address, timeout)
-        future = self._submit(payload, timeout, stream.state)
+        future = self._submit(payload, timeout, stream.state, priority)
         return stream.start(future, self._canceller(future.request_id))  # type: ignore[attr-defined]
 
     def empty(self, shape: Any, dtype: Any = np.float32) -> np.ndarray:
@@ -219,11 +225,13 @@ class Client:
 
     # -- what AsyncClient and RoutingClient use ------------------------------------------
 
-    def _submit(self, payload: Any, timeout: float | None, stream: Any = None) -> Future:
+    def _submit(self, payload: Any, timeout: float | None, stream: Any = None, priority: int = 0) -> Future:
         """Send a submit (a stream op with ``stream``, a ``StreamState``); its future, with ``request_id``."""
         _check_timeout(timeout)
+        if type(priority) is not int or priority:  # 0, the default, needs no check and is not sent
+            check_priority(priority)
         self._check_open()
-        return self._link.submit(payload, timeout, stream)
+        return self._link.submit(payload, timeout, stream, priority)
 
     def _control(self, op: str, **fields: Any) -> Future:
         """Send a control op (``ping``, ``info``, ``cancel``); its future."""

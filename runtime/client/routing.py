@@ -45,11 +45,13 @@ from typing import Any, Callable, Sequence
 from runtime.client.server_errors import ServerUnavailableError
 from runtime.client.rotation import UP, Rotation, Server, Timers
 from runtime.core.futures import resolve
+from runtime.core.priority import check_priority
 from runtime.link.link_thread import LinkThread
 
 __all__ = ["RoutingClient"]
 
 log = logging.getLogger("phyrt.client")
+_NO_EXTRA: dict[str, Any] = {}
 
 
 class RoutingClient:
@@ -93,15 +95,17 @@ class RoutingClient:
 
     # -- the verbs ---------------------------------------------------------------------
 
-    def submit(self, payload: Any, *, timeout: float | None = None) -> Future:
+    def submit(self, payload: Any, *, timeout: float | None = None, priority: int = 0) -> Future:
         """Send one request to the chosen server; its Future (with ``server``, the address).
 
-        ``ServerUnavailableError`` at once when no server is in the rotation."""
+        ``ServerUnavailableError`` at once when no server is in the rotation. ``priority``: as
+        ``Client.submit``'s (checked before a server is chosen), for the chosen server's queue."""
+        extra = _priority_keyword(priority)
         tried: set[str] = set()
         while True:
             server, epoch = self._choose(tried)
             try:
-                future = server.client.submit(payload, timeout=timeout)
+                future = server.client.submit(payload, timeout=timeout, **extra)
             except ServerUnavailableError as exc:  # refused before it was sent (closed, handshake refused)
                 self._rotation.release(server, epoch, exc)
                 tried.add(server.address)
@@ -113,21 +117,22 @@ class RoutingClient:
             future.add_done_callback(functools.partial(self._finished, server, epoch))
             return future
 
-    def call(self, payload: Any, timeout: float | None = None) -> Any:
+    def call(self, payload: Any, timeout: float | None = None, *, priority: int = 0) -> Any:
         """``Client.call`` on the chosen server (the caller reads its own answer)."""
+        extra = _priority_keyword(priority)
         server, epoch = self._choose()
         error: BaseException | None = None
         try:
-            return server.client.call(payload, timeout)
+            return server.client.call(payload, timeout, **extra)
         except BaseException as exc:
             error = exc
             raise
         finally:
             self._rotation.release(server, epoch, error)
 
-    def stream(self, payload: Any, timeout: float | None = None) -> Any:
+    def stream(self, payload: Any, timeout: float | None = None, *, priority: int = 0) -> Any:
         """``Client.stream`` on the chosen server: the whole stream goes to that one server (a ``ClientStream``)."""
-        return self._start_stream(payload, timeout, lambda address: self._stream_type(address, timeout))
+        return self._start_stream(payload, timeout, lambda address: self._stream_type(address, timeout), priority)
 
     def empty(self, shape: Any, dtype: Any = None) -> Any:
         """An ordinary numpy array (``Client.empty`` lends one server's shared memory; a request
@@ -208,14 +213,15 @@ class RoutingClient:
         future.add_done_callback(functools.partial(self._finished, server, epoch))
         return future
 
-    def _start_stream(self, payload: Any, timeout: float | None, make: Callable[[str], Any]) -> Any:
+    def _start_stream(self, payload: Any, timeout: float | None, make: Callable[[str], Any], priority: int = 0) -> Any:
         """A stream (``make(address)``: a ``ClientStream`` or ``AsyncClientStream``) started on the
         chosen server, as that server's ``Client.stream`` starts one; in flight until it ends."""
+        check_priority(priority)
         server, epoch = self._choose()
         client = server.client
         try:
             stream = make(server.address)
-            future = client._submit(payload, timeout, stream.state)
+            future = client._submit(payload, timeout, stream.state, priority)
         except BaseException as exc:
             self._rotation.release(server, epoch, exc)
             raise
@@ -286,6 +292,14 @@ class RoutingClient:
                 server.client.close()
             except Exception:  # close the others regardless
                 log.exception("closing the client of %s failed", server.address)
+
+
+def _priority_keyword(priority: Any) -> dict[str, Any]:
+    """``priority=`` for a server's client, checked; none for 0 (a ``client_class`` without the
+    keyword serves those as before)."""
+    if type(priority) is int and not priority:
+        return _NO_EXTRA
+    return {"priority": check_priority(priority)}
 
 
 def check_addresses(addresses: Any) -> None:

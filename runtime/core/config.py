@@ -78,15 +78,46 @@ def dtype_name(dtype: Any) -> str:
 
 
 @dataclass(frozen=True)
+class BatchingConfig:
+    """Dynamic batching of an executing runner that defines ``execute_batch(requests) -> results``.
+
+    With ``max_batch_size > 1`` a replica takes up to ``max_batch_size`` of its queued requests
+    (highest priority first; requests whose tensors differ in more than the leading dimension go
+    in separate batches, ``runtime.batching.batch_key``), waiting at most ``max_delay_ms`` after
+    the first, and runs them in one ``execute_batch`` call. 1 (the default) runs one request per
+    ``execute``; ``max_delay_ms`` is then unused.
+    """
+
+    max_batch_size: int = 1
+    max_delay_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        size = self.max_batch_size
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 65536:
+            raise ValueError(f"BatchingConfig.max_batch_size must be an int from 1 to 65536, got {size!r}")
+        delay = self.max_delay_ms
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 <= delay <= 60_000:
+            raise ValueError(f"BatchingConfig.max_delay_ms must be a number of milliseconds from 0 to 60000, "
+                             f"got {delay!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_batch_size > 1
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, DeviceConfig):
             raise TypeError(f"EngineConfig.device must be a DeviceConfig, got {self.device!r}")
         if not isinstance(self.parallel, ParallelConfig):
             raise TypeError(f"EngineConfig.parallel must be a ParallelConfig, got {self.parallel!r}")
+        if not isinstance(self.batching, BatchingConfig):
+            raise TypeError(f"EngineConfig.batching must be a BatchingConfig, got {self.batching!r}")
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ class RequestDispatcher:
     def statuses(self) -> list[ReplicaStatus]:
         return [executor.status() for executor in self._executors]
 
-    def submit(self, request: Any, stream: Any = None) -> Future:
+    def submit(self, request: Any, stream: Any = None, priority: int = 0) -> Future:
         """Hand ``request`` to a replica; ``EngineUnavailableError`` when none is healthy.
         ``stream``: its ``StreamCall`` when it was submitted as a stream. The lock covers the
         choice (and the chosen replica's in-flight count), not the encoding or the send."""
@@ -46,7 +46,7 @@ class RequestDispatcher:
         while True:
             executor = self._reserve(tried)
             try:
-                return executor.submit_reserved(request, stream)
+                return executor.submit_reserved(request, stream, priority)
             except EngineUnavailableError:  # it failed between the choice and the send (its count is back)
                 tried.add(executor.index)
 
@@ -66,7 +66,7 @@ class RequestDispatcher:
             executor.reserve()
             return executor
 
-    def call(self, request: Any, timeout: float | None) -> Any:
+    def call(self, request: Any, timeout: float | None, priority: int = 0) -> Any:
         """``Engine.step``: run ``request`` on a replica and wait for its result in this thread.
         The lock covers the choice (and the chosen replica's in-flight count), not the encoding,
         the send or the wait; a replica that turns out not to serve before anything was sent
@@ -75,7 +75,7 @@ class RequestDispatcher:
         while True:
             executor = self._reserve(tried)
             try:
-                waitable = executor.start_call(request)
+                waitable = executor.start_call(request, priority)
             except EngineUnavailableError:  # it failed between the choice and the send (its count is back)
                 tried.add(executor.index)
                 continue

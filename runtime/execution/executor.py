@@ -45,6 +45,9 @@ class ReplicaStatus:
     #: ``runtime.execution.engine_core.INFO_REFRESH_S`` old while it works; a local replica's comes
     #: with rank 0's heartbeats, up to ``heartbeat_interval_s`` later); None if the runner has none
     plugin_info: dict | None = None
+    #: the replica's queue: waits by priority and batch sizes (``runtime.core.queue_stats``
+    #: ``QueueStats.snapshot``); None where requests do not queue in this process (external)
+    queue: dict | None = None
 
 
 class ReplicaExecutor(abc.ABC):
@@ -64,9 +67,10 @@ class ReplicaExecutor(abc.ABC):
     streams: bool = False
 
     @abc.abstractmethod
-    def _submit(self, request: Any, future: Future, stream: Any = None) -> None:
+    def _submit(self, request: Any, future: Future, stream: Any = None, priority: int = 0) -> None:
         """Start ``request``; complete ``future`` later (from any thread). ``stream`` (executors
-        with ``streams``): a ``StreamCall`` for its partial chunks, whose cancel hook it binds."""
+        with ``streams``): a ``StreamCall`` for its partial chunks, whose cancel hook it binds.
+        ``priority``: larger is sooner among this replica's queued requests (FIFO within a level)."""
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """``Engine.empty`` on this replica: an ordinary tensor (this replica reads the caller's
@@ -97,10 +101,14 @@ class ReplicaExecutor(abc.ABC):
     def status(self) -> ReplicaStatus:
         error = self.error
         return ReplicaStatus(self.index, self.mode, error is None, self._inflight, self.devices, error,
-                             plugin_info=self.plugin_info())
+                             plugin_info=self.plugin_info(), queue=self.queue_stats())
 
     def plugin_info(self) -> dict | None:
         """The plugin runner's info snapshot (``ReplicaStatus.plugin_info``); None by default."""
+        return None
+
+    def queue_stats(self) -> dict | None:
+        """The replica's queue counters (``ReplicaStatus.queue``); None by default."""
         return None
 
     def mark_failed(self, reason: str) -> bool:
@@ -111,13 +119,13 @@ class ReplicaExecutor(abc.ABC):
             self._error = reason
             return True
 
-    def submit(self, request: Any, stream: Any = None) -> Future:
+    def submit(self, request: Any, stream: Any = None, priority: int = 0) -> Future:
         """Hand ``request`` to this replica; its future completes later (from any thread).
         ``stream``: a ``StreamCall`` for a request submitted as a stream."""
         self.reserve()
-        return self.submit_reserved(request, stream)
+        return self.submit_reserved(request, stream, priority)
 
-    def submit_reserved(self, request: Any, stream: Any = None) -> Future:
+    def submit_reserved(self, request: Any, stream: Any = None, priority: int = 0) -> Future:
         """``submit`` after ``reserve()`` (the dispatcher's choice): the count goes back when the
         future is done, or here when this raises (``EngineUnavailableError``: nothing was sent)."""
         error = self.error
@@ -127,10 +135,7 @@ class ReplicaExecutor(abc.ABC):
         future = Future()
         future.add_done_callback(self._done)
         try:
-            if stream is not None and self.streams:
-                self._submit(request, future, stream)
-            else:
-                self._submit(request, future)
+            self._submit(request, future, stream if self.streams else None, priority)
         except BaseException as exc:
             if not future.done():
                 future.set_exception(exc)  # its done callback gives the count back
@@ -151,11 +156,11 @@ class ReplicaExecutor(abc.ABC):
         with self._state_lock:
             self._inflight -= 1
 
-    def start_call(self, request: Any) -> Any:
+    def start_call(self, request: Any, priority: int = 0) -> Any:
         """After ``reserve()``: send ``request``; a waitable for ``finish_call``. As ``submit_reserved``:
         ``EngineUnavailableError`` only when nothing was sent, and the count goes back here when
         this raises, else when the request is done."""
-        return self.submit_reserved(request)
+        return self.submit_reserved(request, None, priority)
 
     def finish_call(self, waitable: Any, timeout: float | None) -> Any:
         """The result of ``start_call``'s request (its error raised), waited for here.

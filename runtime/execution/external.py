@@ -149,7 +149,7 @@ class ExternalExecutor(ReplicaExecutor):
             _set_timeout(startup)  # P's subgroups start with torch's default, not init's timeout
             ctx = make_context(args.config, rank=rank, world_size=world, replica_index=0,
                                device_index=local_rank if target == "cuda" else None)
-            core = EngineCore(entry, args.plugin_args, ctx)
+            core = EngineCore(entry, args.plugin_args, ctx, args.config.batching.max_batch_size)
             if world > 1:  # every rank built (and ran its build-time collectives) in the startup window
                 dist.barrier(group=P.cpu_group())
             _set_timeout(_seconds(deployment.collective_timeout_s))
@@ -189,7 +189,7 @@ class ExternalExecutor(ReplicaExecutor):
         A streamed request (``stream``) runs as any other: its one chunk is the result."""
         return super().submit(request, stream)
 
-    def _submit(self, request: Any, future: Future) -> None:
+    def _submit(self, request: Any, future: Future, stream: Any = None, priority: int = 0) -> None:
         future.set_running_or_notify_cancel()
         with self._run_lock:
             seq = -1

@@ -1,18 +1,19 @@
 """InlineExecutor: the plugin runs in the caller's process, on one background thread.
 
-    caller threads --submit--> FIFO queue --> serve thread --> EngineCore.step()
+    caller threads --submit--> Lanes --> serve thread --> EngineCore.run_batch() | .step()
                    <--------- Future.set_result / set_exception ------------'
 
     a server's I/O thread --IdleRunner.run(request, hand_over)--> EngineCore.run()   (same thread)
                           <-- (True, result, error), or (False, None, None): submit it instead
 
 Invariants:
-- Requests start in submission order. A request still in the queue can be
-  cancelled (``Future.cancel()``); it runs once the serve thread holds the runner
-  for it (one the serve thread waits with, behind a request an ``IdleRunner`` runs,
-  is still queued).
-- A stepped (batching) runner is handed everything queued at each step, so
-  concurrent requests share forward passes; an executing runner takes one at a time.
+- Requests start highest priority first, in submission order within a level
+  (``runtime.core.lanes``). A request still queued can be cancelled
+  (``Future.cancel()``); it runs once the serve thread holds the runner for it (one the
+  serve thread waits with, behind a request an ``IdleRunner`` runs, is still queued).
+- A stepped runner is handed everything queued at each step, so concurrent requests
+  share forward passes; an executing runner takes one request at a time, or with
+  ``BatchingConfig.max_batch_size > 1`` one batch the lanes formed (one ``execute_batch``).
 - A plugin exception fails that request's future with the plugin's own exception
   and the replica stays healthy. Only a ``BaseException`` that is not an
   ``Exception`` (say ``SystemExit`` from plugin code) takes the replica down.
@@ -29,7 +30,7 @@ wants an idle engine to answer in the thread that read the request (no hop to th
 thread and back). ``run(request, hand_over)`` validates the request with the plugin's
 ``validate_request`` (its error is raised there), then runs it in the calling thread if
 the replica is serving, holds no other request and its runner executes one request at a
-time; ``hand_over()`` is called once that is decided, before the plugin runs (the server
+time, unbatched; ``hand_over()`` is called once that is decided, before the plugin runs (the server
 gives its loop to another thread then). The runner is entered by one thread at a time
 (``_exec_lock``), so this path and the serve thread never overlap; the request counts as
 in flight while it runs, so a submit meanwhile queues behind it. Otherwise nothing ran
@@ -41,18 +42,18 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
-import queue
 import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from runtime.core.batch_key import batch_key
 from runtime.core.errors import EngineUnavailableError
 from runtime.execution.executor import ReplicaExecutor
 from runtime.core.futures import resolve
 from runtime.core.plugins import Partial
 from runtime.execution.engine_core import EngineCore
+from runtime.core.lanes import Lanes
 
-_STOP = object()
 _DECLINED: tuple[bool, Any, BaseException | None] = (False, None, None)
 
 
@@ -60,10 +61,13 @@ class InlineExecutor(ReplicaExecutor):
     mode = "inline"
     streams = True
 
-    def __init__(self, core: EngineCore, index: int = 0, devices: tuple[int, ...] = ()) -> None:
+    def __init__(self, core: EngineCore, index: int = 0, devices: tuple[int, ...] = (),
+                 max_delay_s: float = 0.0) -> None:
+        """``max_delay_s``: how long a batch waits for more after its first request
+        (``core.batch_size`` > 1 only)."""
         super().__init__(index, devices)
         self._core = core
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lanes = Lanes(core.batch_size, max_delay_s, batch_key)
         self._ids = itertools.count()
         self._running: dict[int, Future] = {}
         self._streams: dict[int, Any] = {}  # request id -> StreamCall, while running
@@ -77,12 +81,15 @@ class InlineExecutor(ReplicaExecutor):
     def plugin_info(self) -> dict | None:
         return self._core.info_snapshot
 
-    def _submit(self, request: Any, future: Future, stream: Any = None) -> None:
+    def queue_stats(self) -> dict | None:
+        return self._lanes.stats.snapshot()
+
+    def _submit(self, request: Any, future: Future, stream: Any = None, priority: int = 0) -> None:
         with self._close_lock:
             if self._closed:
                 raise EngineUnavailableError("the engine is closed")
             request_id = next(self._ids)
-            self._queue.put((request_id, request, future, stream))
+            self._lanes.put((request_id, request, future, stream), request, priority)
         if stream is not None:
             stream.bind_cancel(functools.partial(self._cancel_stream, request_id, future))
 
@@ -98,18 +105,20 @@ class InlineExecutor(ReplicaExecutor):
         try:
             while True:
                 # Block for new work only when the runner has nothing left to advance.
-                taken, stop = self._take(block=not core.has_unfinished())
+                taken, stop = self._lanes.wait(block=not core.has_unfinished())
                 if stop:
-                    self._give_back(taken, "the engine is closed")
-                    return
+                    return  # close() failed what was queued
                 # a request is marked running only once the runner is ours: one that waits
                 # here behind a request run by another thread (IdleRunner) is still queued,
                 # so a deadline can still cancel it
                 with self._exec_lock:
-                    self._admit(taken)
-                    while self._cancels:
-                        core.cancel(self._cancels.popleft())
-                    done = core.step() if core.has_unfinished() else []
+                    if core.stepped:
+                        self._admit(taken + self._lanes.take_all())
+                        while self._cancels:
+                            core.cancel(self._cancels.popleft())
+                        done = core.step() if core.has_unfinished() else []
+                    else:
+                        done = self._run(taken)
                 for request_id, result, error in done:
                     if type(result) is Partial:
                         stream = self._streams.get(request_id)
@@ -128,25 +137,37 @@ class InlineExecutor(ReplicaExecutor):
             reason = f"inline runner failed: {type(exc).__name__}: {exc}"
             self.mark_failed(reason)
             self._fail_running(reason, exc)
-            self._drain_queue(reason)  # the thread ends here; the failure is the replica's state
+            self._give_back(self._lanes.close(reason), reason)  # the thread ends here; the failure is the replica's state
+
+    def _run(self, taken: list[tuple[int, Any, Future, Any]]) -> list:
+        """Holding the runner: one batch of an executing runner (those not cancelled meanwhile)."""
+        batch = [item for item in taken if item[2].set_running_or_notify_cancel()]
+        for request_id, _, future, stream in batch:
+            self._running[request_id] = future
+            if stream is not None:
+                self._streams[request_id] = stream
+        if not batch:
+            return []
+        return self._core.run_batch([item[0] for item in batch], [item[1] for item in batch])
 
     def idle_runner(self, validate: Callable[[Any], None]) -> "IdleRunner":
         """This replica's ``IdleRunner``; ``validate`` is the plugin's ``validate_request``."""
         return IdleRunner(self, validate)
 
-    def _run_idle(self, validate: Callable[[Any], None], request: Any,
-                  hand_over: Callable[[], None]) -> tuple[bool, Any, BaseException | None]:
+    def _run_idle(self, validate: Callable[[Any], None], request: Any, hand_over: Callable[[], None],
+                  priority: int = 0) -> tuple[bool, Any, BaseException | None]:
         """``IdleRunner.run``: see the module docstring."""
         if self._closed or self._error is not None:
             return _DECLINED  # the caller's submit says why
         validate(request)
-        if self._core.batching or not self._exec_lock.acquire(blocking=False):
+        if self._core.stepped or self._core.batch_size > 1 or not self._exec_lock.acquire(blocking=False):
             return _DECLINED
         try:
             with self._state_lock:
                 if self._closed or self._error is not None or self._inflight:
                     return _DECLINED
                 self._inflight += 1  # a submit meanwhile queues behind this one
+            self._lanes.stats.record(((priority, 0.0),), 1)  # a batch of one that waited for nothing
             try:
                 hand_over()
                 try:
@@ -164,24 +185,8 @@ class InlineExecutor(ReplicaExecutor):
         finally:
             self._exec_lock.release()
 
-    def _take(self, block: bool) -> tuple[list[tuple[int, Any, Future, Any]], bool]:
-        """Queued requests: one (waiting for it if ``block``), or, for a batching runner, all
-        there are; and True once asked to stop."""
-        taken: list[tuple[int, Any, Future, Any]] = []
-        while True:
-            try:
-                item = self._queue.get(block=block)
-            except queue.Empty:
-                return taken, False
-            if item is _STOP:
-                return taken, True
-            taken.append(item)
-            block = False
-            if not self._core.batching:
-                return taken, False
-
     def _admit(self, taken: list[tuple[int, Any, Future, Any]]) -> None:
-        """Holding the runner: move ``taken`` into the core (those not cancelled meanwhile)."""
+        """Holding the runner: move ``taken`` into a stepped core (those not cancelled meanwhile)."""
         for request_id, request, future, stream in taken:
             if not future.set_running_or_notify_cancel():
                 continue  # cancelled while queued
@@ -206,15 +211,6 @@ class InlineExecutor(ReplicaExecutor):
         for future in running.values():
             _fail(future, reason, cause)
 
-    def _drain_queue(self, reason: str) -> None:
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if item is not _STOP:
-                self._give_back([item], reason)
-
     # -- shutdown ------------------------------------------------------------------
 
     def close(self, timeout: float | None = None) -> None:
@@ -228,8 +224,7 @@ class InlineExecutor(ReplicaExecutor):
                 return
             self._closed = True
             self.mark_failed("the engine is closed")
-            self._drain_queue("the engine is closed")
-            self._queue.put(_STOP)
+            self._give_back(self._lanes.close(), "the engine is closed")  # the serve thread stops
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
         if self._thread.is_alive():
@@ -251,11 +246,11 @@ class IdleRunner:
     __slots__ = ("run",)
 
     def __init__(self, executor: InlineExecutor, validate: Callable[[Any], None]) -> None:
-        #: ``run(request, hand_over)``: validate ``request`` (raising the plugin's error), then run
-        #: it here if the replica holds nothing else, calling ``hand_over()`` first: ``(True,
+        #: ``run(request, hand_over, priority=0)``: validate ``request`` (raising the plugin's error),
+        #: then run it here if the replica holds nothing else, calling ``hand_over()`` first: ``(True,
         #: result, error)``; otherwise ``(False, None, None)``, nothing ran, and the caller
         #: submits it. (The executor's method itself: no Python frame of its own per request.)
-        self.run: Callable[[Any, Callable[[], None]], tuple[bool, Any, BaseException | None]] = functools.partial(
+        self.run: Callable[..., tuple[bool, Any, BaseException | None]] = functools.partial(
             executor._run_idle, validate)
 
 

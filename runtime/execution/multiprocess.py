@@ -48,18 +48,21 @@ class MultiprocessExecutor(ReplicaExecutor):
         """Rank 0's runner info, as its last heartbeat carried it."""
         return self._supervisor.plugin_info(self._group)
 
+    def queue_stats(self) -> dict | None:
+        return self._supervisor.queue_stats(self._group)
+
     def on_failure(self, callback: Any) -> None:
         """``callback()`` once this replica's group fails, on the supervisor's reaper thread (never
         at close); one registered after the failure is not called: look at ``healthy`` then."""
         self._supervisor.on_group_failure(self._group, callback)
 
-    def start_call(self, request: Any) -> Any:
+    def start_call(self, request: Any, priority: int = 0) -> Any:
         """``Engine.step``: the calling thread reads its own answer when nobody else reads."""
         try:
             error = self.error
             if error is not None:
                 raise EngineUnavailableError(f"replica {self.index} is not serving: {error}")
-            return self._supervisor.start_call(self._group, request, self.release)  # counted until answered
+            return self._supervisor.start_call(self._group, request, self.release, priority)  # counted until answered
         except BaseException:  # nothing went out: the count goes back now
             self.release()
             raise
@@ -68,12 +71,12 @@ class MultiprocessExecutor(ReplicaExecutor):
         """The answer, read here (a request whose wait timed out runs on, counted, its result dropped)."""
         return self._supervisor.finish_call(waitable, timeout)
 
-    def _submit(self, request: Any, future: Future, stream: Any = None) -> None:
+    def _submit(self, request: Any, future: Future, stream: Any = None, priority: int = 0) -> None:
         # ranks start work as soon as it is sent and cannot take it back: from here the
         # future is running, so cancel() answers False (only queued inline work cancels;
         # a stream's cancel reaches the ranks' runners instead)
         future.set_running_or_notify_cancel()
-        self._supervisor.submit(self._group, request, future, stream)
+        self._supervisor.submit(self._group, request, future, stream, priority)
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
         return self._supervisor.empty(self._group, shape, dtype)

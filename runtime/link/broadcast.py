@@ -167,13 +167,22 @@ class BroadcastWriter(_Ring):
     def write(self, data: bytes, flags: int = 0) -> int:
         """Put ``data`` in the ring for every reader (or queue it, if some reader has no free
         slot); its seq. Never blocks. Nothing is written once the ring is closed."""
-        if len(data) > self.slot_bytes:
-            raise ValueError(f"a message of {len(data)} bytes does not fit a slot of {self.slot_bytes}: spill it")
+        return self.write_all(((data, flags),))[0]
+
+    def write_all(self, messages: Any) -> list[int]:
+        """``write`` each ``(data, flags)`` of ``messages`` with no other writer's message among
+        them (a batch and its requests); their seqs."""
+        for data, _ in messages:
+            if len(data) > self.slot_bytes:
+                raise ValueError(f"a message of {len(data)} bytes does not fit a slot of {self.slot_bytes}: spill it")
+        seqs = []
         with self._lock:
-            self._seq += 1
-            if not self.closed and (self._queue or not self._put(self._seq, data, flags)):
-                self._queue.append((self._seq, bytes(data), flags))
-            return self._seq
+            for data, flags in messages:
+                self._seq += 1
+                if not self.closed and (self._queue or not self._put(self._seq, data, flags)):
+                    self._queue.append((self._seq, bytes(data), flags))
+                seqs.append(self._seq)
+        return seqs
 
     def flush(self) -> int:
         """Write what waited for credits, in order, as far as credits allow; how many still wait."""

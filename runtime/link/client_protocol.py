@@ -2,8 +2,8 @@
 functions that build and check them (docs/protocol.md sections 3 and 4; tests/test_protocol_doc.py
 checks that page's tables against ``REQUESTS`` and ``REPLIES``, and its examples against the bytes).
 
-Torch-free; imports only ``runtime.core.errors`` and ``runtime.transport.protocol`` (the frame
-codec under it: headers, tensor references, ``pack_header``) of the project.
+Torch-free; imports only ``runtime.core`` (errors, priority) and ``runtime.transport.protocol`` (the
+frame codec under it: headers, tensor references, ``pack_header``) of the project.
 
     client (runtime.client)                           server (runtime.serving)
     plain_submit / submit_message -> header bytes ->  HEADER_FIELDS | OP_FIELDS[op]: others refused
@@ -16,7 +16,8 @@ codec under it: headers, tensor references, ``pack_header``) of the project.
 Every header is ``{"v": PROTOCOL_VERSION, "op": OP, "id": ID, ...}`` (``ID``: an int in [0, 2**64)
 or a str of 1 to 128 characters, chosen by the client; ``protocol.is_request_id``):
 
-    submit    payload, [timeout_s], [shm_results], [release]     -> the plugin's result
+    submit    payload, [timeout_s], [shm_results], [release],    -> the plugin's result
+              [priority] (an int, larger is sooner; 0 is never sent)
     stream    the fields of a submit                             -> chunks, then a final chunk
     cancel    target: the id of a submit or a stream            -> {cancelled, detail}
     ping      -                                                  -> {server_id, time}
@@ -44,6 +45,7 @@ from typing import Any
 import msgpack
 
 from runtime.core.errors import ProtocolError
+from runtime.core.priority import check_priority
 from runtime.transport.protocol import PROTOCOL_VERSION, PayloadEncoder, pack_header, pack_plain
 
 __all__ = ["PROTOCOL_VERSION", "Op", "Reply", "REQUESTS", "REPLIES", "OPS", "OP_FIELDS", "HEADER_FIELDS",
@@ -80,7 +82,7 @@ class Reply:
     optional: tuple[str, ...] = ()
 
 
-_SUBMIT_FIELDS = (("payload",), ("timeout_s", "shm_results", "release"))
+_SUBMIT_FIELDS = (("payload",), ("timeout_s", "shm_results", "release", "priority"))
 #: what ``info`` answers (and the server's launch extras besides)
 INFO_RESULT = ("server_id", "address", "plugin", "mode", "replica_count", "ranks_per_replica", "replicas",
                "inflight", "max_inflight", "accepting", "shm", "versions")
@@ -116,25 +118,28 @@ SUBMIT_REPLY_PREFIX = b"\x85" + b"".join(map(msgpack.packb, ("v", PROTOCOL_VERSI
 
 
 def submit_message(encoder: PayloadEncoder, request_id: int, timeout: float | None, shm_results: bool,
-                   payload: Any, release: list[list[Any]] | None = None, stream: bool = False) -> bytes:
+                   payload: Any, release: list[list[Any]] | None = None, stream: bool = False,
+                   priority: int = 0) -> bytes:
     """A submit (a ``stream`` op with ``stream``) whose ``payload`` ``encoder`` encodes (its
     tensors go to the encoder's frames or shared memory); TypeError or ValueError, naming
-    the path, for a payload the wire cannot carry.
+    the path, for a payload the wire cannot carry. ``priority`` (checked by the caller,
+    ``runtime.core.priority``) goes in the header unless it is 0.
 
     Exactly the bytes ``pack_header`` makes of the same header with the payload
     ``encoder.pack``ed (tests/test_client.py checks it), in one msgpack call."""
-    return encoder.pack_message(_submit_header(request_id, timeout, shm_results, payload, release, stream))
+    return encoder.pack_message(_submit_header(request_id, timeout, shm_results, payload, release, stream,
+                                               priority))
 
 
 def plain_submit(request_id: int, timeout: float | None, shm_results: bool, payload: Any,
-                 stream: bool = False) -> bytes | None:
+                 stream: bool = False, priority: int = 0) -> bytes | None:
     """``submit_message``'s bytes where ``payload`` holds plain values only (``pack_plain``); None
     otherwise (``submit_message`` then encodes it, or names what it refuses)."""
-    return pack_plain(_submit_header(request_id, timeout, shm_results, payload, None, stream), "payload")
+    return pack_plain(_submit_header(request_id, timeout, shm_results, payload, None, stream, priority), "payload")
 
 
 def _submit_header(request_id: int, timeout: float | None, shm_results: bool, payload: Any,
-                   release: list[list[Any]] | None, stream: bool) -> dict[str, Any]:
+                   release: list[list[Any]] | None, stream: bool, priority: int) -> dict[str, Any]:
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": "stream" if stream else "submit", "id": request_id}
     if timeout is not None:
         header["timeout_s"] = float(timeout)
@@ -142,6 +147,8 @@ def _submit_header(request_id: int, timeout: float | None, shm_results: bool, pa
         header["shm_results"] = True
     if release:
         header["release"] = release
+    if priority:
+        header["priority"] = priority
     header["payload"] = payload
     return header
 
@@ -174,8 +181,9 @@ def no_frames(frames: list) -> None:
         raise ProtocolError(f"this op takes no tensor frames, got {len(frames)}")
 
 
-def submit_options(header: dict[str, Any]) -> tuple[float | None, bool]:
-    """A submit's ``timeout_s`` and ``shm_results``; ProtocolError if it has no payload or bad values."""
+def submit_options(header: dict[str, Any]) -> tuple[float | None, bool, int]:
+    """A submit's ``timeout_s``, ``shm_results`` and ``priority`` (0 when absent); ProtocolError if it
+    has no payload or bad values (a priority as ``runtime.core.priority.check_priority`` takes it)."""
     if "payload" not in header:
         raise ProtocolError("submit needs a payload")
     timeout_s = header.get("timeout_s")
@@ -185,7 +193,13 @@ def submit_options(header: dict[str, Any]) -> tuple[float | None, bool]:
     shm_results = header.get("shm_results", False)
     if not isinstance(shm_results, bool):
         raise ProtocolError(f"shm_results must be a bool, got {shm_results!r}"[:300])
-    return timeout_s, shm_results
+    priority = 0
+    if "priority" in header:  # absent: 0, which clients never send
+        try:
+            priority = check_priority(header["priority"])
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(str(exc)) from None
+    return timeout_s, shm_results, priority
 
 
 def register_fields(header: dict[str, Any]) -> tuple[Any, list[str], int | None]:

@@ -92,19 +92,19 @@ class Link:
 
     # -- the verbs ---------------------------------------------------------------------
 
-    def submit(self, payload: Any, timeout: float | None = None, stream: Any = None) -> Future:
+    def submit(self, payload: Any, timeout: float | None = None, stream: Any = None, priority: int = 0) -> Future:
         """Send a submit (a stream op with ``stream``, a StreamState); its Future, with ``request_id``.
-        The link's thread reads the reply unless a caller does."""
+        The link's thread reads the reply unless a caller does. ``priority``: checked by the caller."""
         future: Any = Future()
-        request, frames = self._prepare(payload, timeout, stream, future)
+        request, frames = self._prepare(payload, timeout, stream, future, priority)
         dealer = self.dealer
         dealer.transmit(request.key, frames, dealer.enter(request))  # given back: the thread is woken to read
         return future
 
-    def call(self, payload: Any, timeout: float | None = None) -> Slot:
+    def call(self, payload: Any, timeout: float | None = None, priority: int = 0) -> Slot:
         """Send a submit and read until its Slot is done or ``timeout`` passed; the Slot."""
         slot = Slot()
-        request, frames = self._prepare(payload, timeout, None, slot)
+        request, frames = self._prepare(payload, timeout, None, slot, priority)
         deadline = None if timeout is None else time.monotonic() + timeout
         dealer = self.dealer
         owned = dealer.enter(request)
@@ -191,14 +191,15 @@ class Link:
 
     # -- sending -----------------------------------------------------------------------
 
-    def _prepare(self, payload: Any, timeout: float | None, stream: Any, future: Any) -> tuple[Request, list[Any]]:
+    def _prepare(self, payload: Any, timeout: float | None, stream: Any, future: Any,
+                 priority: int = 0) -> tuple[Request, list[Any]]:
         """A submit's Request (not yet in the table) and the frames to send."""
         request_id = next(self._ids)
         future.request_id = request_id
         session = self._shm.current
         shm_results = session is not None and session.mapper is not None
         # a plain payload needs no encoder, unless dropped results' blocks are to ride in its header
-        data = plain_submit(request_id, timeout, shm_results, payload, stream is not None) \
+        data = plain_submit(request_id, timeout, shm_results, payload, stream is not None, priority) \
             if session is None or not session.released else None
         blocks, released, frames = None, None, [data]
         if data is None:
@@ -206,7 +207,8 @@ class Link:
             # dropped results' blocks ride in the header: one message for the server to read, not two
             released = session.take_released() if session is not None and session.released else None
             try:
-                data = submit_message(encoder, request_id, timeout, shm_results, payload, released, stream is not None)
+                data = submit_message(encoder, request_id, timeout, shm_results, payload, released, stream is not None,
+                                      priority)
             except BaseException:
                 if session is not None:
                     session.free(encoder.blocks)

@@ -7,7 +7,7 @@ Torch-free; imports only ``runtime.core.errors`` of the project.
     engine (supervisor)                                       rank (workers.main)
     BroadcastWriter (runtime.link.broadcast), written once,   BroadcastReader, every rank,
       read by every rank in the same order:                     the main thread
-        REQUEST, CANCEL ----------------------------------->  "ring"          (INBOX)
+        REQUEST, BATCH, CANCEL ---------------------------->  "ring"          (INBOX)
         FREE, SHUTDOWN (written with FLAG_CONTROL) -------->  "ring-control"  (CONTROL)
     ctl ROUTER ipc://RUN/ctl     <- READY, STARTUP_ERROR,     DEALER "c-R-r", the main thread
                                     DONE, PARTIAL ----------  (ANSWERS; DONE and PARTIAL from
@@ -28,10 +28,11 @@ from typing import Any
 
 from runtime.core.errors import RemoteError
 
-__all__ = ["ORPHAN_EXIT", "REQUEST", "CANCEL", "FREE", "SHUTDOWN", "READY", "STARTUP_ERROR", "DONE", "PARTIAL", "HB", "Message",
+__all__ = ["ORPHAN_EXIT", "REQUEST", "BATCH", "CANCEL", "FREE", "SHUTDOWN", "READY", "STARTUP_ERROR", "DONE", "PARTIAL", "HB", "Message",
            "MESSAGES", "INBOX", "CONTROL", "ANSWERS", "ERROR_FIELDS", "error_fields", "remote_error"]
 
 REQUEST = "request"
+BATCH = "batch"
 CANCEL = "cancel"
 FREE = "free"
 SHUTDOWN = "shutdown"
@@ -69,14 +70,18 @@ class Message:
 MESSAGES = {m.type: m for m in (
     # a request for every rank of the replica, in the ring's order; ``stream``: True for a stream
     Message(REQUEST, "engine", "ring", "the request's id", ("payload",), ("stream",)),
+    # the engine formed a batch (BatchingConfig): the next ``count`` REQUESTs on the ring are run as
+    # one ``execute_batch``, by every rank alike; its id is the first request's
+    Message(BATCH, "engine", "ring", "the batch's first request id", ("count",)),
     # a stream's cancel, behind its request on the ring
     Message(CANCEL, "engine", "ring", "the stream's request id"),
     # result blocks the engine is done with, back to the output rank (the only one with a result arena)
     Message(FREE, "engine", "ring-control", "0", ("blocks",)),
     # the ring's last message (the engine closes the ring with it: it overtakes queued requests)
     Message(SHUTDOWN, "engine", "ring-control", "0"),
-    # the rank booted; ``segments``: its result arena's segments (none but the output rank's), to map
-    Message(READY, "rank", "ctl", "the rank", ("segments",)),
+    # the rank booted; ``segments``: its result arena's segments (none but the output rank's), to map;
+    # ``stepped``: its runner forms its own batches (it gets requests as they come, not by credit)
+    Message(READY, "rank", "ctl", "the rank", ("segments",), ("stepped",)),
     Message(STARTUP_ERROR, "rank", "ctl", "the rank", ERROR_FIELDS),
     # the output rank's answer to each request (``result``, or ERROR_FIELDS); from another rank
     # only a failure (ok false, ERROR_FIELDS): non-output ranks answer nothing else

@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--model", metavar="DIR", default=None,
                       help='shorthand for --plugin qwen3 with {"model": DIR} added to --plugin-args')
     _add_placement_options(parser)
+    _add_batching_options(parser)
     serve = parser.add_argument_group("serving")
     serve.add_argument("--address", default=None,
                        help="ipc:///path/in/a/0700/dir or tcp://HOST:PORT (default: ipc:// in a new private dir)")
@@ -82,6 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                         help="how much phyrt logs to stderr (other libraries log from warning)")
     return parser
+
+
+def _add_batching_options(parser: argparse.ArgumentParser) -> None:
+    batching = parser.add_argument_group(
+        "dynamic batching", "for a plugin whose runner defines execute_batch(requests) -> results (the policy "
+        "demo does): concurrent requests of a replica run as one batch; docs/plugins.md")
+    batching.add_argument("--max-batch-size", type=_int_at_least(1), default=1, metavar="N",
+                          help="up to N queued requests per batch (1: no batching)")
+    batching.add_argument("--max-batch-delay-ms", type=_milliseconds, default=0.0, metavar="MS",
+                          help="how long a batch waits for more requests after its first")
 
 
 def _add_placement_options(parser: argparse.ArgumentParser) -> None:
@@ -178,6 +189,16 @@ def _port_or_zero(text: str) -> int:
     value = _non_negative_int(text)
     if value > 65535:
         raise argparse.ArgumentTypeError(f"expected a port in 0..65535 (0: a free one), got {text!r}")
+    return value
+
+
+def _milliseconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 60_000:
+        raise argparse.ArgumentTypeError(f"expected milliseconds from 0 to 60000, got {text!r}")
     return value
 
 

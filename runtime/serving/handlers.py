@@ -9,7 +9,7 @@ memory), ``runtime.transport.protocol`` and ``runtime.core.errors`` of the proje
       submit  -> limits, tensors resolved (frames: read-only views; shm: the sender's own segments)
                  -> a Request in the pending table (link.pending, keyed (identity, id))
                  -> idle inline engine and a ``turn``: IdleRunner.run here (turn.hand_over first)
-                 -> else engine.submit; Replies.on_done sends the reply from the engine's thread
+                 -> else engine.submit (its ``priority``, if any); Replies.on_done sends the reply
       stream  -> as submit, then engine.submit_stream: Replies.chunk sends each chunk from the
                  engine's thread, Replies.on_done the last (``final``); cancel, a deadline or a
                  chunk the client does not take cancel it (the runner frees what it holds)
@@ -67,6 +67,7 @@ DEFAULT_MAX_INFLIGHT = 256
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 MAX_HEADER_BYTES = 16 << 20
 _ALLOWED_FIELDS = {op: HEADER_FIELDS | fields for op, fields in OP_FIELDS.items()}
+_NO_EXTRA: dict[str, Any] = {}  # engine.submit's keyword arguments for a request of priority 0
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,7 @@ class MessageHandler:
         engine refuses it); one run here enters it only if another thread takes the loop
         meanwhile (``Turn.lend``). The result blocks a submit's ``release`` gives back are freed
         once the request is answered or handed to the engine: one run here waits for its run only."""
-        timeout_s, shm_results = submit_options(header)
+        timeout_s, shm_results, priority = submit_options(header)
         released = None
         if "release" in header:
             released = release_blocks(header["release"])
@@ -212,13 +213,10 @@ class MessageHandler:
         try:
             req, payload = self._admit(identity, request_id, header, frames, client, tensors, timeout_s,
                                        shm_results, started)
-            if stream or turn is None or self._runner is None or not self._run_here(req, payload, turn):
+            if stream or turn is None or self._runner is None or not self._run_here(req, payload, turn, priority):
                 self.requests.add(req)
                 try:
-                    if stream:
-                        self._submit_stream(req, payload)
-                    else:
-                        self._submit(req, payload)
+                    self._to_engine(req, payload, priority, stream)
                 except BaseException:
                     if req.future is None:  # the engine did not take it
                         self.requests.remove(req)
@@ -249,35 +247,32 @@ class MessageHandler:
                       started)
         return req, payload
 
-    def _submit(self, req: Request, payload: Any) -> None:
+    def _to_engine(self, req: Request, payload: Any, priority: int, stream: bool) -> None:
+        """``engine.submit``, or ``engine.submit_stream`` whose chunks ``Replies.chunk`` sends;
+        ``priority`` is passed when not 0 (the engine's default)."""
+        engine, extra = self._engine, {"priority": priority} if priority else _NO_EXTRA
         try:
-            future = self._engine.submit(payload)
+            if stream:
+                call = engine.submit_stream(payload, functools.partial(self.replies.chunk, req), **extra)
+                req.stream, future = call, call.future
+            else:
+                future = engine.submit(payload, **extra)
         except EngineUnavailableError as exc:
             raise Rejected("EngineUnavailable", str(exc)) from None
         except Exception as exc:  # the plugin's validate_request (or encoding for local ranks) refused it
             raise Rejected("InvalidRequest", f"{type(exc).__name__}: {exc}") from None
         req.future = future
+        if req.overflow:  # a chunk of the stream went unsent before the call was known here
+            req.stream.cancel()
         future.add_done_callback(functools.partial(self.replies.on_done, req))
 
-    def _submit_stream(self, req: Request, payload: Any) -> None:
-        try:
-            call = self._engine.submit_stream(payload, functools.partial(self.replies.chunk, req))
-        except EngineUnavailableError as exc:
-            raise Rejected("EngineUnavailable", str(exc)) from None
-        except Exception as exc:  # the plugin's validate_request refused it
-            raise Rejected("InvalidRequest", f"{type(exc).__name__}: {exc}") from None
-        req.stream, req.future = call, call.future
-        if req.overflow:  # a chunk went unsent before the call was known here
-            call.cancel()
-        call.future.add_done_callback(functools.partial(self.replies.on_done, req))
-
-    def _run_here(self, req: Request, payload: Any, turn: Turn) -> bool:
+    def _run_here(self, req: Request, payload: Any, turn: Turn, priority: int) -> bool:
         """Run ``req`` in this thread if the engine is idle (True: answered, or failing as a
         submitted request would); the loop is handed over first and taken back after the reply.
         Adopted meanwhile, ``req`` is in the pending table without a future: it cannot be cancelled."""
         turn.lend(req)
         try:
-            ran, result, error = self._runner.run(payload, turn.hand_over)
+            ran, result, error = self._runner.run(payload, turn.hand_over, priority)
         except Exception as exc:  # the plugin's validate_request refused it
             raise Rejected("InvalidRequest", f"{type(exc).__name__}: {exc}") from None
         if ran:

@@ -16,6 +16,9 @@ this module, and ``NullMetrics``, works without it.
                                                                           phyrt_replica_restarting{replica}
                                                                           phyrt_plugin_<key>{replica}: each
                                                                           number of the runner's info()
+                                                                          phyrt_queue_wait_seconds{replica,
+                                                                          priority}, phyrt_batch_size{replica}
+                                                                          (runtime.serving.queue_metrics)
                                                                        <- GET /healthz: 200 "ok"
                                                                        <- GET /readyz: 200 while a replica
                                                                           is healthy, else 503 and why
@@ -42,6 +45,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from runtime.link.client_protocol import ERROR_TYPES, OPS
+from runtime.serving.queue_metrics import queue_families
 
 __all__ = ["ERROR_TYPES", "OPS", "MetricsServer", "NullMetrics", "ReplicaSample", "ServerMetrics",
            "start_metrics_server"]
@@ -148,6 +152,7 @@ class ReplicaSample(NamedTuple):
     restarting: bool
     error: str | None
     plugin_info: dict  # the numbers of the runner's info (``ReplicaStatus.plugin_info``)
+    queue: dict  # the replica's queue counters (``ReplicaStatus.queue``; empty where none)
 
 
 def _replica(status: Any) -> ReplicaSample:
@@ -163,7 +168,7 @@ def _replica(status: Any) -> ReplicaSample:
                and isinstance(value, (int, float)) and not isinstance(value, bool)}
     return ReplicaSample(str(int(get("index"))), bool(get("healthy")), int(get("inflight")),
                          int(get("restarts", 0) or 0), bool(get("restarting", False)),
-                         None if error is None else str(error), numbers)
+                         None if error is None else str(error), numbers, get("queue", None) or {})
 
 
 class _ReplicaCollector:
@@ -199,6 +204,7 @@ class _ReplicaCollector:
                                                     "(rank 0's, as of its last snapshot).", labels=["replica"])
                 plugin[key].add_metric([r.index], value)
         yield from plugin.values()
+        yield from queue_families((r.index, r.queue) for r in replicas)
         yield GaugeMetricFamily("phyrt_replicas_healthy", "Replicas that can serve now.",
                                 value=sum(r.healthy for r in replicas))
 

@@ -46,8 +46,8 @@ def build_engine_config(opts: argparse.Namespace) -> tuple[Any, Any]:
     slots = len(opts.devices) if opts.devices is not None else opts.replicas
     if slots % opts.replicas:  # before torch is imported
         raise BadArguments(f"--devices has {slots} entries, which {opts.replicas} replicas cannot share evenly")
-    from runtime.core.config import (AttentionParallelConfig, DenseParallelConfig, DeploymentConfig, DeviceConfig,
-                                     EngineArgs, EngineConfig, ParallelConfig, WorkerSupervisorConfig)
+    from runtime.core.config import (AttentionParallelConfig, BatchingConfig, DenseParallelConfig, DeploymentConfig,
+                                     DeviceConfig, EngineArgs, EngineConfig, ParallelConfig, WorkerSupervisorConfig)
 
     tp = slots // opts.replicas
     parallel = ParallelConfig(dense=DenseParallelConfig(tp_size=tp), attention=AttentionParallelConfig(tp_size=tp))
@@ -56,7 +56,8 @@ def build_engine_config(opts: argparse.Namespace) -> tuple[Any, Any]:
     dtype = choose_dtype(opts.dtype, target, plugin, plugin_args)
     _check_dtype_runs(dtype, target, entries)
     device = DeviceConfig(target=opts.device, params_dtype=dtype)
-    args = EngineArgs(plugin, plugin_args, EngineConfig(device=device, parallel=parallel))
+    batching = BatchingConfig(max_batch_size=opts.max_batch_size, max_delay_ms=opts.max_batch_delay_ms)
+    args = EngineArgs(plugin, plugin_args, EngineConfig(device=device, parallel=parallel, batching=batching))
     deployment = DeploymentConfig(
         replica_count=opts.replicas, devices=opts.devices,
         replica_restarts=opts.replica_restarts, restart_backoff_s=opts.restart_backoff_s,

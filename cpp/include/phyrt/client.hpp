@@ -1,7 +1,7 @@
 // phyrt::Client: a header-only C++17 client of a phyrt server (cppzmq + msgpack-cxx), from docs/protocol.md.
 //
 //   caller threads                                           I/O thread ("phyrt-client")       server
-//   submit(payload, timeout) / call(...): encode (one copy of
+//   submit(payload, timeout, priority) / call(...): encode (one copy of
 //     each tensor into a frame), pending[id], outbox, wake --> send -- [header, *frames] ---->  ROUTER
 //                                                              poll <-- [header, *frames] ---
 //   std::future / callback  <------------------------------- decode, complete pending[id]
@@ -88,30 +88,34 @@ class Client {
 
   // Send one request; ``done`` gets its result or error once, on the client's I/O thread (keep it
   // short: it holds up other replies). ``timeout_s``: the request's deadline on the server.
-  std::uint64_t submit(const Value& payload, std::optional<double> timeout_s, Completion done) {
+  // ``priority``: larger is served sooner by the server's engine; 0 (the default) is not sent.
+  std::uint64_t submit(const Value& payload, std::optional<double> timeout_s, Completion done,
+                       std::int32_t priority = 0) {
     check_timeout(timeout_s);
     std::uint64_t id = next_id_++;
     Value::Map fields{{"v", kProtocolVersion}, {"op", "submit"}, {"id", id}};
     if (timeout_s) fields.push_back({"timeout_s", *timeout_s});
+    if (priority != 0) fields.push_back({"priority", static_cast<std::int64_t>(priority)});
     auto message = encode_message(fields, &payload);  // before the request counts as in flight
     enqueue(id, std::move(message), std::move(done));
     return id;
   }
 
   // Send one request; the future gets the result, or throws a ServerError subclass.
-  std::future<Value> submit(const Value& payload, std::optional<double> timeout_s = std::nullopt) {
+  std::future<Value> submit(const Value& payload, std::optional<double> timeout_s = std::nullopt,
+                            std::int32_t priority = 0) {
     auto promise = std::make_shared<std::promise<Value>>();
     auto future = promise->get_future();
-    submit(payload, timeout_s, promised(promise));
+    submit(payload, timeout_s, promised(promise), priority);
     return future;
   }
 
   // submit() and wait: past ``timeout_s`` (also the server's deadline) DeadlineExceededError, and
   // the server is asked to drop the request if it is still queued.
-  Value call(const Value& payload, std::optional<double> timeout_s = std::nullopt) {
+  Value call(const Value& payload, std::optional<double> timeout_s = std::nullopt, std::int32_t priority = 0) {
     auto promise = std::make_shared<std::promise<Value>>();
     auto future = promise->get_future();
-    std::uint64_t id = submit(payload, timeout_s, promised(promise));
+    std::uint64_t id = submit(payload, timeout_s, promised(promise), priority);
     return wait(future, id, timeout_s, true);
   }
 
