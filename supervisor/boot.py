@@ -187,8 +187,9 @@ class Launcher:
             where = {**common, **self._rendezvous(config, replica, first_replica + replica),
                      "replica_index": first_replica + replica, "ring": group.ring.name,
                      "ring_nonce": group.ring.nonce}
-            for rank, device in enumerate(devices):
-                self._spawn_rank(group, rank, device, where, cuda)
+            for rank, device in enumerate(devices):  # the output rank alone spins (WorkerSupervisor)
+                spin = {"spin_ns": where["spin_ns"] if rank == 0 else 0}
+                self._spawn_rank(group, rank, device, {**where, **spin}, cuda)
 
     def _rendezvous(self, config: WorkerSupervisorConfig, replica: int, engine_replica: int) -> dict[str, Any]:
         """Where ``replica``'s ranks meet: "port" (pinned base_port) or "store" (a file path)."""

@@ -79,8 +79,10 @@ class WorkerSupervisor:
         # mode 0700; the pid in the name lets a later start remove it if this process is SIGKILLed
         self.run_dir = tempfile.mkdtemp(prefix=f"phyrt-{self.run_id}-{os.getpid()}-")
         self.address = f"ipc://{self.run_dir}/ctl"
-        spare_core = sum(len(p) for p in placement) < usable_cores()
-        # a rank looks for the next request a moment after answering one (runtime.transport.spin)
+        # only the output ranks (one per replica) spin: the others send nothing per request, and a
+        # spinning rank beside them would take the core their compute needs
+        spare_core = len(placement) < usable_cores()
+        # an output rank looks for the next request a moment after answering one (runtime.transport.spin)
         self.worker_spin_ns = budget_ns("worker") if spare_core else 0
         self._spinner = Spinner(budget_ns("caller") if spare_core else 0)
         self._ctx = zmq.Context(1)

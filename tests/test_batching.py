@@ -307,3 +307,51 @@ def test_lanes_without_batching_take_one_at_a_time_and_bound_their_labels():
     assert [lanes.take()[0] for _ in range(40)] == list(range(39, -1, -1))
     levels = lanes.stats.snapshot()["levels"]
     assert len(levels) == MAX_LEVELS + 1 and levels["other"]["count"] == 40 - MAX_LEVELS
+
+
+# -- python -m runtime.launch ---------------------------------------------------------------
+
+
+def test_the_launch_flags_reach_the_engine_config_and_bad_ones_exit_2():
+    from runtime.launch import build_parser
+    from runtime.serving.plan import build_engine_config
+    from tests.test_launch import run_launch
+
+    parse = build_parser().parse_args
+    args, _ = build_engine_config(parse(["--device", "cpu"]))
+    assert args.config.batching == BatchingConfig(1, 0.0)
+    args, _ = build_engine_config(parse(["--device", "cpu", "--max-batch-size", "16", "--max-batch-delay-ms", "2.5"]))
+    assert args.config.batching == BatchingConfig(16, 2.5)
+    for bad in (["--max-batch-size", "0"], ["--max-batch-size", "x"], ["--max-batch-delay-ms", "-1"]):
+        done = run_launch(*bad)
+        assert done.returncode == 2 and ("max-batch" in done.stderr), done.stderr
+
+
+@pytest.mark.timeout(150)
+def test_a_served_engine_batches_concurrent_clients_by_priority(tmp_path):
+    """Through the server: requests of several clients share batches, a higher priority goes first,
+    and a plugin that cannot batch stops the start with the reason."""
+    import numpy as np
+
+    from runtime.client import Client
+    from runtime.launch import EXIT_START_FAILED
+    from tests.test_launch import Launched, run_launch
+
+    server = Launched("--plugin", "tests.batch_plugins:BatchEcho", "--device", "cpu", "--max-batch-size", "4",
+                      "--max-batch-delay-ms", "200", log_dir=tmp_path)
+    try:
+        clients = [Client(server.address) for _ in range(3)]
+        try:
+            busy = clients[0].submit({"x": np.array([0]), "sleep": 0.5})
+            time.sleep(0.2)  # the runner holds the first batch: the rest queue
+            low = [c.submit({"x": np.array([i])}) for i, c in zip((1, 2), clients[1:])]
+            high = clients[0].submit({"x": np.array([3])}, priority=5)
+            assert busy.result(30)["batch"] == [0]
+            assert high.result(30)["batch"] == [3, 1, 2] == low[0].result(30)["batch"] == low[1].result(30)["batch"]
+        finally:
+            for client in clients:
+                client.close()
+    finally:
+        assert server.stop() == 0
+    done = run_launch("--plugin", "tests.batch_plugins:SlowEcho", "--device", "cpu", "--max-batch-size", "4")
+    assert done.returncode == EXIT_START_FAILED and "needs a runner with execute_batch" in done.stderr

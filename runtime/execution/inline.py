@@ -137,7 +137,8 @@ class InlineExecutor(ReplicaExecutor):
             reason = f"inline runner failed: {type(exc).__name__}: {exc}"
             self.mark_failed(reason)
             self._fail_running(reason, exc)
-            self._give_back(self._lanes.close(reason), reason)  # the thread ends here; the failure is the replica's state
+            # the thread ends here; the failure is the replica's state
+            self._give_back(self._lanes.close(reason), reason)
 
     def _run(self, taken: list[tuple[int, Any, Future, Any]]) -> list:
         """Holding the runner: one batch of an executing runner (those not cancelled meanwhile)."""

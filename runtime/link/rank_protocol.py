@@ -28,7 +28,8 @@ from typing import Any
 
 from runtime.core.errors import RemoteError
 
-__all__ = ["ORPHAN_EXIT", "REQUEST", "BATCH", "CANCEL", "FREE", "SHUTDOWN", "READY", "STARTUP_ERROR", "DONE", "PARTIAL", "HB", "Message",
+__all__ = ["ORPHAN_EXIT", "REQUEST", "BATCH", "CANCEL", "FREE", "SHUTDOWN", "READY", "STARTUP_ERROR", "DONE", "PARTIAL",
+           "HB", "Message",
            "MESSAGES", "INBOX", "CONTROL", "ANSWERS", "ERROR_FIELDS", "error_fields", "remote_error"]
 
 REQUEST = "request"

@@ -23,8 +23,10 @@ was tried and dropped: neither throughput nor a lone caller's latency moved beyo
 
 ``PHYRT_SPIN_US`` (``runtime.core.env``) sets one budget for every side; the budget
 is 0 on a single usable core, where spinning only delays the other side. The rank and
-engine-caller budgets apply only where the ranks leave the engine process a core (the
-supervisor decides).
+engine-caller budgets apply only where the output ranks (one per replica) leave the engine
+process a core, and only an output rank spins: the others answer nothing per request, and
+their compute needs the core (the supervisor decides; a tp=2 replica's small-request p50 on
+2 cores went from 180-204 µs to 89-126 µs when rank 1 stopped spinning and rank 0 started).
 """
 
 from __future__ import annotations
