@@ -218,9 +218,9 @@ def _throughput(ctx: RunContext, pool: ClientPool, servers: dict, rounds: int, l
                     ctx.progress(f"batching: round {r + 1}/{rounds}, {name}, batching {mode}, {clients} client "
                                  f"process(es), {load_s:g} s")
                     server = servers[(name, mode)]
-                    before = server.batch_counts() if mode == "on" else (0.0, 0.0)
+                    before = server.batch_counts()
                     lats = pool.load([(server.address, load_s, 0, 0.0)] * clients)
-                    after = server.batch_counts() if mode == "on" else (0.0, 0.0)
+                    after = server.batch_counts()
                     batches, batched = after[0] - before[0], after[1] - before[1]
                     calls = sum(len(x) for x in lats)
                     out.setdefault((name, clients, mode), []).append(
@@ -285,8 +285,8 @@ def _throughput_table(loads: dict, rounds: int, load_s: float) -> Table:
          "started together: requests/s = calls completed / the loop time. "
          f"{rounds} round(s); in each, off and on take turns at every N. requests/s: median of the rounds; "
          "latency percentiles over all the rounds' calls; mean batch: requests per runner batch (the server's "
-         "`phyrt_batch_size` histogram, across the load), median of the rounds; batching on only (off, a request "
-         "that finds the runner idle runs at once and is not counted there)."])
+         "`phyrt_batch_size` histogram, across the load, a request the idle runner took at once counting as a "
+         "batch of one), median of the rounds."])
 
 
 def _priority_table(prio: dict, rounds: int, seconds: float) -> Table:

@@ -40,7 +40,6 @@ import time
 import weakref
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from runtime.core.errors import EngineUnavailableError, ProtocolError
@@ -200,11 +199,10 @@ class Replica:
 
     def beat(self, r: RankState, payload: Any) -> None:
         """A heartbeat: HB {id: count} and, from rank 0 only, an optional ``info`` dict (kept)."""
-        msg = msgpack.unpackb(payload, max_bin_len=0, max_ext_len=0)  # counted, not decoded by the wire
-        info = msg.get("info") if isinstance(msg, dict) else None
-        if not isinstance(msg, dict) or msg.get("type") != rp.HB or not isinstance(msg.get("id"), int) \
-                or not (info is None or isinstance(info, dict) and r.rank == 0):
-            raise ProtocolError(f"a heartbeat needs a count and, from rank 0 only, an info dict: {msg!r}")
+        msg = wire.unpack_message(payload, expected_types=rp.BEATS)
+        info = msg.get("info")
+        if not isinstance(msg["id"], int) or not (info is None or isinstance(info, dict) and r.rank == 0):
+            raise ProtocolError(f"a heartbeat needs a count and, from rank 0 only, an info dict: {msg!r}"[:300])
         if info is not None:
             self.info = info  # a fresh dict each time: readers see the old one or the new one
 

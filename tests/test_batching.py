@@ -158,6 +158,26 @@ def test_priority_order_inline(held):
         assert set(engine.replicas[0].queue["levels"]) == {"100", "0", "5", "1", "9", "-3"}
 
 
+def test_a_request_queued_behind_the_idle_runner_still_yields_to_a_higher_priority(held):
+    """A server's I/O thread runs a request itself (``IdleRunner``) while the serve thread waits for
+    the runner: what queued meanwhile is taken only once the runner is free, in priority order."""
+    import threading
+
+    with inline("SlowEcho", size=1) as engine:
+        here = threading.Thread(target=engine.inline_runner().run, args=(x(-1, wait_gate=True), lambda: None))
+        here.start()
+        deadline = time.monotonic() + 10
+        while not bp.batches and time.monotonic() < deadline:
+            time.sleep(0.005)
+        low = engine.submit(x(1))
+        time.sleep(0.1)  # the serve thread is up and waiting for the runner
+        high = engine.submit(x(2), priority=5)
+        held.set()
+        here.join(10)
+        assert low.result(10)["n"] == 3 and high.result(10)["n"] == 2
+        assert bp.batches == [[-1], [2], [1]]
+
+
 def test_a_batch_is_filled_from_the_highest_levels_first(held):
     with inline(size=2) as engine:
         occupy(engine, bp.batches)

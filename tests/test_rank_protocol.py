@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 #: files whose sites may spell their message types as literals: none (every site names rank_protocol's)
 LITERALS_STILL_ALLOWED: set[str] = set()
 #: the sets a site may expect, by the name rank_protocol gives them
-READ_SETS = {"INBOX": rp.INBOX, "CONTROL": rp.CONTROL, "ANSWERS": rp.ANSWERS}
+READ_SETS = {"INBOX": rp.INBOX, "CONTROL": rp.CONTROL, "ANSWERS": rp.ANSWERS, "BEATS": rp.BEATS}
 
 
 def _sites(name: str):
@@ -78,13 +78,14 @@ def test_every_unpack_site_expects_a_set_of_the_table():
         expected = [k.value for k in node.keywords if k.arg == "expected_types"]
         assert expected and _rp_name(expected[0]) in READ_SETS, f"{path}:{node.lineno}: {ast.unparse(node)}"
         found += 1
-    assert found >= 4  # the rank's control socket and inbox (twice), the engine's ctl ROUTER
+    assert found >= 5  # the rank's inbox and control messages, the engine's ctl and hb ROUTERs
 
 
 def test_the_sets_follow_the_table():
     assert rp.INBOX == {rp.REQUEST, rp.BATCH, rp.CANCEL} and rp.CONTROL == {rp.FREE, rp.SHUTDOWN}
     assert rp.ANSWERS == {rp.READY, rp.STARTUP_ERROR, rp.DONE, rp.PARTIAL}
-    assert all(m.socket == "hb" for m in rp.MESSAGES.values() if m.type not in rp.INBOX | rp.CONTROL | rp.ANSWERS)
+    assert rp.BEATS == {rp.HB}
+    assert set(rp.MESSAGES) == rp.INBOX | rp.CONTROL | rp.ANSWERS | rp.BEATS
 
 
 @pytest.mark.parametrize("kind", sorted(rp.MESSAGES))
@@ -92,7 +93,7 @@ def test_each_message_decodes_where_it_is_read_and_nowhere_else(kind):
     message = rp.MESSAGES[kind]
     data = wire.pack_message(kind, 1, **{field: [] for field in message.required})
     reads = [s for s in READ_SETS.values() if kind in s]
-    assert len(reads) == (0 if kind == rp.HB else 1)  # heartbeats are counted, not decoded
+    assert len(reads) == 1  # each message is read at one place, heartbeats included
     for expected in READ_SETS.values():
         if kind in expected:
             assert wire.unpack_message(data, expected_types=expected)["type"] == kind

@@ -94,15 +94,16 @@ class Lanes:
         self._record(batch, False)
         return [entry[4] for entry in batch]
 
-    def wait(self, block: bool) -> tuple[list[Any], bool]:
+    def wait(self, block: bool, take: bool = True) -> tuple[list[Any], bool]:
         """The next batch, sleeping until one is due if ``block`` (else [] when none is); and
-        whether the lanes are closed (then the batch is empty)."""
+        whether the lanes are closed (then the batch is empty). ``take=False`` only waits: the
+        batch stays queued (``[]`` is returned) for a ``wait(False)`` that takes it later."""
         with self._cond:
             while self.closed is None:
                 due = self._due_locked()
                 now = time.monotonic()
                 if due is not None and due <= now:
-                    return self._take_locked(), False
+                    return (self._take_locked() if take else []), False
                 if not block:
                     return [], False
                 self._cond.wait(None if due is None else due - now)

@@ -105,13 +105,13 @@ class InlineExecutor(ReplicaExecutor):
         try:
             while True:
                 # Block for new work only when the runner has nothing left to advance.
-                taken, stop = self._lanes.wait(block=not core.has_unfinished())
-                if stop:
+                if self._lanes.wait(block=not core.has_unfinished(), take=False)[1]:
                     return  # close() failed what was queued
-                # a request is marked running only once the runner is ours: one that waits
-                # here behind a request run by another thread (IdleRunner) is still queued,
-                # so a deadline can still cancel it
+                # requests are taken only once the runner is ours: while another thread runs one
+                # (IdleRunner) the rest stay queued, where a deadline can cancel them and a higher
+                # priority that comes meanwhile still goes first
                 with self._exec_lock:
+                    taken, _ = self._lanes.wait(block=False)
                     if core.stepped:
                         self._admit(taken + self._lanes.take_all())
                         while self._cancels:

@@ -30,7 +30,7 @@ from runtime.core.errors import RemoteError
 
 __all__ = ["ORPHAN_EXIT", "REQUEST", "BATCH", "CANCEL", "FREE", "SHUTDOWN", "READY", "STARTUP_ERROR", "DONE", "PARTIAL",
            "HB", "Message",
-           "MESSAGES", "INBOX", "CONTROL", "ANSWERS", "ERROR_FIELDS", "error_fields", "remote_error"]
+           "MESSAGES", "INBOX", "CONTROL", "ANSWERS", "BEATS", "ERROR_FIELDS", "error_fields", "remote_error"]
 
 REQUEST = "request"
 BATCH = "batch"
@@ -103,6 +103,8 @@ def _types(sender: str, socket: str) -> frozenset[str]:
 INBOX = _types("engine", "ring")
 CONTROL = _types("engine", "ring-control")
 ANSWERS = _types("rank", "ctl")
+#: what the engine reads from the hb ROUTER
+BEATS = _types("rank", "hb")
 
 
 def error_fields(exc: BaseException) -> dict[str, str]:
