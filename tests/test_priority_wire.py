@@ -50,10 +50,10 @@ class RecordingMetrics(NullMetrics):
 def server(tmp_path_factory):
     """A ``Server`` over an inline Echo engine whose ``submit``/``submit_stream`` record
     ``(op, keyword arguments)`` in ``server.seen``; ``server.ops``: the ops it received."""
-    from runtime import Engine, EngineArgs
+    from runtime import DeviceConfig, Engine, EngineArgs, EngineConfig
     from runtime.serving.server import Server
 
-    engine = Engine(EngineArgs(plugin="tests.plugins:Echo"))
+    engine = Engine(EngineArgs(plugin="tests.plugins:Echo", config=EngineConfig(device=DeviceConfig(target="cpu"))))
     seen: list[tuple[str, dict]] = []
     submit, submit_stream = engine.submit, engine.submit_stream
 

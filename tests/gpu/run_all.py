@@ -36,7 +36,7 @@ DEVICE_SENSITIVE = (
     "test_cuda_trips.py", "test_wire.py", "test_engine_inline.py", "test_policy.py", "test_own_policy.py",
     "test_qwen3_plugin.py", "test_qwen3_static_decode.py", "test_llm_stream.py", "test_local_groups.py",
     "test_local_lifecycle.py", "test_launch.py", "test_examples.py", "test_openpi.py", "test_server.py",
-    "test_ros_example.py",
+    "test_ros_example.py", "test_batching.py", "test_batching_helpers.py", "test_priority_wire.py",
 )
 VERDICTS: dict[str, list[str]] = {"ok": [], "FAIL": [], "skip": []}
 
