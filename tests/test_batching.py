@@ -375,3 +375,26 @@ def test_a_served_engine_batches_concurrent_clients_by_priority(tmp_path):
         assert server.stop() == 0
     done = run_launch("--plugin", "tests.batch_plugins:SlowEcho", "--device", "cpu", "--max-batch-size", "4")
     assert done.returncode == EXIT_START_FAILED and "needs a runner with execute_batch" in done.stderr
+
+
+@pytest.mark.timeout(180)
+def test_sigkill_of_a_rank_mid_batch_fails_the_batch_and_the_queued_at_once_and_leaves_nothing():
+    import os
+    import signal
+
+    from tests.conftest import close_engine, group_pids
+
+    engine = local("BatchEcho", (0, 1), config(4, 20.0, tp=2))
+    try:
+        pids = group_pids(engine, 0)
+        running = [engine.submit(x(i, sleep=5.0)) for i in range(2)]  # one batch of 2 on both ranks
+        time.sleep(0.5)
+        queued = [engine.submit(x(10 + i), priority=i) for i in range(3)]  # in the lanes: the window is full
+        killed_at = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        for future in running + queued:
+            exc = future.exception(timeout=max(0.01, killed_at + 1.5 - time.monotonic()))
+            assert isinstance(exc, EngineUnavailableError) and "rank 1" in str(exc), repr(exc)
+        assert not engine.replicas[0].healthy
+    finally:
+        close_engine(engine)  # ranks, run directory and segments: all gone
