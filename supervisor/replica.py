@@ -98,8 +98,9 @@ class Replica:
     # -- requests ----------------------------------------------------------------------
 
     def submit(self, request: Any, future: Any, stream: Any = None, priority: int = 0) -> Pending:
-        """Write ``request`` to the ring; ``future`` gets rank 0's answer, ``stream`` (a
-        ``StreamCall``) its chunks before that. Raises EngineUnavailableError once failed."""
+        """Send ``request`` to the ranks when its turn comes (``window``); ``future`` gets rank 0's
+        answer, ``stream`` (a ``StreamCall``) its chunks before that. Raises EngineUnavailableError
+        once failed."""
         if self.failed is not None:
             raise self.unavailable()
         request_id = next(self._ids)
@@ -112,11 +113,8 @@ class Replica:
                 self.free_blocks(placed)
                 raise self.unavailable()
             table.add_locked(entry)
-            if self.window.size is None:
-                entry.seq = self.ring.write(payload, flags)
-            else:
-                entry.message = (payload, flags)
-                self.window.queue_locked(entry, request, priority, self.ring)
+            entry.message = (payload, flags)
+            self.window.queue_locked(entry, request, priority, self.ring)
         if stream is not None:
             stream.bind_cancel(functools.partial(self.cancel, request_id))
         return entry

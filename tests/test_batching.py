@@ -297,11 +297,11 @@ def test_lanes_order_batches_delay_and_close():
     from runtime.core.lanes import Lanes
 
     lanes = Lanes(3, 0.05, batch_key)
-    assert lanes.due(0.0) is None and lanes.take() == []
+    assert lanes.due() is None and lanes.take() == []
     for name, key, priority in [("a", 1, 0), ("b", 2, 0), ("c", 1, 5)]:
         lanes.put(name, {"k": key}, priority)
     assert lanes.take() == []  # no key has 3 waiting, and the oldest came < 50 ms ago
-    assert 0 < lanes.due(0.0) - time.monotonic() <= 0.05
+    assert 0 < lanes.due() - time.monotonic() <= 0.05
     lanes.put("d", {"k": 1}, 0)  # key 1 has 3 waiting now: a batch is due at once
     lanes.put("e", {"k": 1}, 0)
     assert lanes.take() == ["c", "a", "d"]
@@ -362,8 +362,8 @@ def test_a_served_engine_batches_concurrent_clients_by_priority(tmp_path):
     try:
         clients = [Client(server.address) for _ in range(3)]
         try:
-            busy = clients[0].submit({"x": np.array([0]), "sleep": 0.5})
-            time.sleep(0.2)  # the runner holds the first batch: the rest queue
+            busy = clients[0].submit({"x": np.array([0]), "sleep": 1.0})
+            time.sleep(0.5)  # its batch went to the runner after the 200 ms delay: the rest queue behind it
             low = [c.submit({"x": np.array([i])}) for i, c in zip((1, 2), clients[1:])]
             high = clients[0].submit({"x": np.array([3])}, priority=5)
             assert busy.result(30)["batch"] == [0]

@@ -65,8 +65,8 @@ class Lanes:
                 self._counts[key] = self._counts.get(key, 0) + 1
             self._cond.notify()
 
-    def due(self, now: float) -> float | None:
-        """When the next batch is due (``<= now``: now); None while nothing waits."""
+    def due(self) -> float | None:
+        """When the next batch is due (monotonic; 0.0: at once); None while nothing waits."""
         with self._cond:
             return self._due_locked()
 
@@ -78,11 +78,11 @@ class Lanes:
             return 0.0
         return min(entry[2] for entry in heap) + self.delay_s
 
-    def take(self, now: float | None = None) -> list[Any]:
+    def take(self) -> list[Any]:
         """The next batch if it is due (else []): its items, in order."""
         with self._cond:
             due = self._due_locked()
-            if due is None or due > (time.monotonic() if now is None else now):
+            if due is None or due > time.monotonic():
                 return []
             return self._take_locked()
 
@@ -145,8 +145,3 @@ class Lanes:
             self._counts.clear()
             self._cond.notify_all()
         return left
-
-    def wake(self) -> None:
-        """Make a ``wait`` look again (its owner changed something it waits on)."""
-        with self._cond:
-            self._cond.notify_all()

@@ -27,7 +27,6 @@ class QueueStats:
         self._lock = threading.Lock()
         self._levels: dict[str, list[Any]] = {}  # label -> [count, wait sum, bucket counts]
         self._sizes = [0] * (len(SIZE_BUCKETS) + 1)
-        self._batches = 0
         self._batched = 0
 
     def record(self, waits: Iterable[tuple[int, float]], batch_size: int | None) -> None:
@@ -40,7 +39,6 @@ class QueueStats:
                 level[2][bisect.bisect_left(WAIT_BUCKETS, waited)] += 1
             if batch_size is not None:
                 self._sizes[bisect.bisect_left(SIZE_BUCKETS, batch_size)] += 1
-                self._batches += 1
                 self._batched += batch_size
 
     def _level(self, priority: int) -> list[Any]:
@@ -62,7 +60,7 @@ class QueueStats:
             return {
                 "levels": {label: {"count": c, "wait_sum_s": s, "wait_buckets": list(b)}
                            for label, (c, s, b) in self._levels.items()},
-                "batches": self._batches,
+                "batches": sum(self._sizes),
                 "batched": self._batched,
                 "batch_size_buckets": list(self._sizes),
             }

@@ -47,7 +47,11 @@ class RankWindow:
         self.size = None
 
     def queue_locked(self, entry: Any, request: Any, priority: int, ring: Any) -> None:
-        """``entry`` (its ``message`` set) waits its turn; whatever is due goes now."""
+        """``entry`` (its ``message`` set) waits its turn; whatever is due goes now. Without a
+        window (``direct``) it goes at once, alone."""
+        if self.size is None:
+            entry.seq, entry.message = ring.write(*entry.message), None
+            return
         lanes = self.lanes
         if lanes.max_size == 1 and not len(lanes) and self.outstanding < self.size:  # its turn now
             lanes.stats.record(((priority, 0.0),), 1)
@@ -73,7 +77,7 @@ class RankWindow:
         while size is not None and self.outstanding < size:
             batch = lanes.take()
             if not batch:
-                self.due = lanes.due(0.0)
+                self.due = lanes.due()
                 return
             self._write(batch, ring)
         self.due = None
