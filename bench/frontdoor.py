@@ -95,7 +95,8 @@ def run(ctx: RunContext) -> Section:
         ctx.progress(f"serving: {math.prod(sv.IMAGE_SHAPE) / 2**20:.1f} MiB image, {n_image} round trips per "
                      f"phyrt path, {n_image // 2} for pickle and websocket")
         image = sv.measure_image(image_paths, lambda m: ctx.progress(f"serving: {m}"))
-        paths = (("floor", floor.label, floor_address, {procs[0].pid}), ("phyrt", shm.label, ipc.address, ipc.pids()))
+        paths = (("floor", floor.label, floor_address, {procs[0].pid}), ("phyrt", shm.label, ipc.address, ipc.pids()),
+                 ("phyrt-no-lane", NO_LANE, ipc.address, ipc.pids()))
         loads = _interleaved_loads(ctx, mp, paths, load_s)
         load_rows = []  # (label, clients, requests/s, latencies, client CPU µs/request, server CPU µs/request)
         for (label, clients), runs in loads.items():
@@ -163,6 +164,10 @@ def run(ctx: RunContext) -> Section:
     return section
 
 
+#: the same client with its plain submits by ZeroMQ, not by the same-host lane (runtime.link.lane)
+NO_LANE = "phyrt Client ipc://, PHYRT_LANE=0 (no lane)"
+
+
 def _interleaved_loads(ctx: RunContext, mp: Any, paths: tuple, load_s: float) -> dict[tuple[str, int], list]:
     """Closed-loop loads of every path at every client count, in ``LOAD_ROUNDS`` rounds (1 with
     --quick); within a round the paths take turns at each count, so that the floor and phyrt
@@ -202,10 +207,12 @@ def _throughput_table(load_rows: list, quick: bool, load_s: float) -> Table:
         [("--quick: no 1-process rows. " if quick else "") +
          f"Closed loops of the small request for {load_s:g} s in N spawned client processes (each its own client "
          "and socket, started together after 50 warm-up calls each): requests/s = all completed / the longest "
-         f"loop. {LOAD_ROUNDS} rounds (--quick: 1); in each, the floor and phyrt take turns at 8 processes, then at "
+         f"loop. {LOAD_ROUNDS} rounds (--quick: 1); in each, the floor, phyrt and phyrt without its lane take turns at 8 processes, then at "
          "24 (the 1-process loads run in the first round only); requests/s and CPU per request are medians over "
          "the rounds, latency percentiles over all their calls, and each target's ratio the median of the "
-         "rounds' ratios. CPU per request: the user + system CPU time the "
+         "rounds' ratios. The no-lane rows: the same client and server with `PHYRT_LANE=0` in the client "
+         "processes, whose plain submits and replies then go by ZeroMQ (as before `runtime.link.lane`). "
+         "CPU per request: the user + system CPU time the "
          "client processes (all their threads) and the server's processes used during the loops, divided by the "
          "requests completed; on 2 cores their sum bounds the rate. The last two rows: one client in this "
          f"process, first calling one request at a time, then keeping {sv.PIPELINE_DEPTH} `submit` futures in "
@@ -229,6 +236,13 @@ def _throughput_targets(load_rows: list, loads: dict, floor_label: str, phyrt_la
             f"8 client processes ≥ {sv.TARGET_LOAD_VS_FLOOR:g}× the bare ZMQ echo's requests/s with 8",
             f"{p50(ratios):.2f}× (median of {_each(ratios)}, each round's phyrt / floor)",
             p50(ratios) >= sv.TARGET_LOAD_VS_FLOOR))
+    if phyrt8:
+        cpu = p50([r.client_us + r.server_us for r in phyrt8])
+        cut = 1 - cpu / sv.CPU_PER_REQUEST_BEFORE_US
+        targets.insert(1, Target(
+            f"8 client processes: client + server CPU per request ≥ {sv.TARGET_CPU_CUT:.0%} below a991e40's report "
+            f"({sv.CPU_PER_REQUEST_BEFORE_US} µs)",
+            f"{cut:.0%} below ({cpu:.0f} µs: median over the rounds of client + server)", cut >= sv.TARGET_CPU_CUT))
     if phyrt8 and phyrt24:
         ratios = [b.rate / a.rate for a, b in zip(phyrt8, phyrt24)]
         targets.insert(1, Target(

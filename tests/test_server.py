@@ -379,6 +379,7 @@ def inline_server(tmp_path, monkeypatch):
     import runtime.serving.server as loop_module
     from runtime import Engine, EngineArgs
     from runtime.serving.metrics import NullMetrics
+    from runtime.link.lane import ServerLane
     from runtime.link.listener import Listener
     from runtime.serving.server import Server
     from bench.fuzz import reply_fields
@@ -393,6 +394,13 @@ def inline_server(tmp_path, monkeypatch):
         return send(self, identity, header, frames)
 
     monkeypatch.setattr(Listener, "send", recording_send)
+    reply = ServerLane.reply
+
+    def recording_reply(self, data):  # a submit's reply by its client's lane (runtime.link.lane)
+        sent.append((threading.current_thread().name, dict(reply_fields(data))))
+        return reply(self, data)
+
+    monkeypatch.setattr(ServerLane, "reply", recording_reply)
 
     class RecordingMetrics(NullMetrics):
         on = True  # it records: the server calls it

@@ -11,6 +11,8 @@ Leaf module: standard library only (the torch-free client imports it).
                                                          and servers run as SCHED_BATCH threads, more
                                                          requests/s from many clients, longer tails
                                                          next to busy processes (``runtime.transport.zmq_context``)
+    PHYRT_LANE           1                               0: an ipc:// client sends its plain submits by libzmq
+                                                         only, not by a same-host lane (``runtime.link.lane``)
 
 A side's default spin budget was measured on 2-core VMs (``runtime.transport.spin``):
 the server's I/O thread 400 µs, a client caller 300 µs, a local rank 300 µs, an engine
@@ -28,8 +30,9 @@ import os
 SPIN_US = "PHYRT_SPIN_US"
 COPY_THREADS = "PHYRT_COPY_THREADS"
 IO_BATCH = "PHYRT_IO_BATCH"
+LANE = "PHYRT_LANE"
 #: every variable above, for docs/environment.md's table and for tests
-KNOBS = (SPIN_US, COPY_THREADS, IO_BATCH)
+KNOBS = (SPIN_US, COPY_THREADS, IO_BATCH, LANE)
 
 
 def spin_us(default_us: float) -> float:
@@ -62,9 +65,18 @@ def copy_threads() -> int | None:
 
 def io_batch() -> bool:
     """``$PHYRT_IO_BATCH`` ("0" or "1") if set, else False."""
-    raw = os.environ.get(IO_BATCH)
+    return _flag(IO_BATCH, False)
+
+
+def lane() -> bool:
+    """``$PHYRT_LANE`` ("0" or "1") if set, else True."""
+    return _flag(LANE, True)
+
+
+def _flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
     if raw is None:
-        return False
+        return default
     if raw not in ("0", "1"):
-        raise ValueError(f"{IO_BATCH} must be 0 or 1, got {raw!r}")
+        raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
     return raw == "1"

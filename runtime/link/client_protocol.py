@@ -24,6 +24,7 @@ or a str of 1 to 128 characters, chosen by the client; ``protocol.is_request_id`
     info      -                                                  -> plugin, topology, versions, ...
     register  run_id, segments, [pid]   (ipc:// only)            -> {run_id, result_run_id, mapped}
     release   blocks: [[segment, offset], ...]                   (no reply)
+    lane      segment, offset, fd   (after register; ipc://)    -> {pid, fd, lane}
 
 Replies: ``{"v", "op", "id", "ok": true, "result"}`` or ``{"v", "op", "id", "ok": false, "error":
 {"type": T, "message": M}}`` (T one of ``ERROR_TYPES``; ``inputs_held`` when a deadline fired while
@@ -50,9 +51,9 @@ from runtime.transport.protocol import PROTOCOL_VERSION, PayloadEncoder, pack_he
 
 __all__ = ["PROTOCOL_VERSION", "Op", "Reply", "REQUESTS", "REPLIES", "OPS", "OP_FIELDS", "HEADER_FIELDS",
            "ERROR_TYPES", "SUBMIT_REPLY_PREFIX", "HEARTBEAT", "submit_message", "plain_submit", "control_header",
-           "register_header", "release_header", "submit_options", "register_fields", "release_blocks", "no_frames",
-           "ok_reply", "error_reply", "submit_reply", "stream_chunk", "stream_end", "inputs_done", "cancel_result",
-           "ping_result", "register_result"]
+           "register_header", "lane_header", "release_header", "submit_options", "register_fields", "lane_fields",
+           "release_blocks", "no_frames", "ok_reply", "error_reply", "submit_reply", "stream_chunk", "stream_end",
+           "inputs_done", "cancel_result", "ping_result", "register_result", "lane_result"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +95,7 @@ REQUESTS = (
     Op("info", result=INFO_RESULT),
     Op("register", ("run_id", "segments"), ("pid",), result=("run_id", "result_run_id", "mapped")),
     Op("release", ("blocks",), replied=False),
+    Op("lane", ("segment", "offset", "fd"), result=("pid", "fd", "lane")),
 )
 REPLIES = (
     Reply("result", ("v", "op", "id", "ok", "result")),
@@ -163,6 +165,25 @@ def register_header(run_id: str, segments: list[str], **extra: Any) -> bytes:
     """Registers a shm session (``pid=``) or new segments of its arena with the server."""
     return pack_header({"v": PROTOCOL_VERSION, "op": "register", "id": "register", "run_id": run_id,
                         "segments": segments, **extra})
+
+
+def lane_header(segment: str, offset: int, fd: int) -> bytes:
+    """Asks for a lane (``runtime.link.lane``) over the block at ``segment``/``offset`` of a registered
+    segment; ``fd``: the client's reply pipe (its write end, in the client's pid of ``register``)."""
+    return pack_header({"v": PROTOCOL_VERSION, "op": "lane", "id": "lane", "segment": segment, "offset": offset,
+                        "fd": fd})
+
+
+def lane_fields(header: dict[str, Any]) -> tuple[str, int, int]:
+    """A lane's ``segment``, ``offset`` and ``fd``, checked for type and range."""
+    segment, offset, fd = header.get("segment"), header.get("offset"), header.get("fd")
+    if not isinstance(segment, str) or not all(_is_int(v) and 0 <= v < 2**40 for v in (offset, fd)):
+        raise ProtocolError("a lane needs a segment name, an offset and a descriptor, as an int each")
+    return segment, offset, fd
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def release_header(blocks: list[list[Any]]) -> bytes:
@@ -267,6 +288,10 @@ def cancel_result(cancelled: bool, detail: str) -> dict[str, Any]:
 
 def ping_result(server_id: str, now: float) -> dict[str, Any]:
     return {"server_id": server_id, "time": now}
+
+
+def lane_result(pid: int, fd: int, lane: int) -> dict[str, Any]:
+    return {"pid": pid, "fd": fd, "lane": lane}
 
 
 def register_result(run_id: str, result_run_id: str, mapped: list[str]) -> dict[str, Any]:

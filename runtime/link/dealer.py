@@ -102,6 +102,10 @@ class Dealer:
         self._watch = HandshakeWatch(address, options.server_public_key is not None)
         self.open = True
         self._items = [(self.sock, _POLLIN), (self.pipe.fd, _POLLIN)]
+        self._replies = awaited.shm.replies  # announces the lane's replies (runtime.link.lane)
+        self.lane_fd = None if self._replies is None else self._replies.fd
+        if self.lane_fd is not None:
+            self._items.append((self.lane_fd, _POLLIN))
         self._look = functools.partial(zmq.zmq_poll, self._items, 0)
 
     def enter(self, request: Request) -> int:
@@ -209,7 +213,11 @@ class Dealer:
                     self.polling = False
                 for what, _ in events:
                     if what is not sock:
-                        pipe.drain()
+                        if what != self.lane_fd:
+                            pipe.drain()
+                        elif self._read_lane(future if own else None, leave, failed):
+                            leave = False  # given back with its claim
+                            return
                         continue
                     head = sock.recv(_NOBLOCK, copy=False)
                     if own and not head.more and self._own(head.bytes, future, leave):
@@ -222,13 +230,41 @@ class Dealer:
         finally:
             if leave:
                 self.leave()
+            if failed:  # the lane's other replies, read with this caller's own
+                self.awaited.complete(failed)
 
-    def _own(self, head: bytes, future: Slot, leave: bool) -> bool:
-        """``future``'s reply if it is a submit's plain success (``plain_result``): claimed (and the
-        socket given back, with ``leave``, in the same hold of ``lock``) and answered, True; anything
-        else is left to ``Awaited.handle`` (False)."""
+    def read_lane(self, done: list) -> None:
+        """(The link thread, holding the socket.) The replies the lane announced."""
+        self._read_lane(None, False, done)
+
+    def _read_lane(self, future: Slot | None, leave: bool, done: list) -> bool:
+        """Holding the socket: each reply the lane announced, handled; ``future``'s own plain reply
+        last, as ``_own`` answers it (True: answered, and the socket given back with ``leave``)."""
+        count, lane = self._replies.count(), self.awaited.shm.reply_lane
+        if not count or lane is None:  # (announcements of a session dropped since)
+            return False
+        mine = header = None
+        for data in lane.take(count):
+            if future is not None and mine is None:
+                header = plain_result(data, future.request_id)
+                if header is not None:
+                    mine = data
+                    continue
+            self._handle(data, [], done)
+        if mine is None:
+            return False
+        if self._own(mine, future, leave, header):
+            return True
+        self._handle(mine, [], done)
+        return False
+
+    def _own(self, head: bytes, future: Slot, leave: bool, header: dict | None = None) -> bool:
+        """``future``'s reply if it is a submit's plain success (``plain_result``; ``header`` if read
+        already): claimed (and the socket given back, with ``leave``, in the same hold of ``lock``)
+        and answered, True; anything else is left to ``Awaited.handle`` (False)."""
         request_id = future.request_id
-        header = plain_result(head, request_id)
+        if header is None:
+            header = plain_result(head, request_id)
         if header is None:
             return False
         awaited = self.awaited
@@ -252,7 +288,7 @@ class Dealer:
 
     def read_one(self, done: list, head: Any = None) -> None:
         """Read one message (its first frame ``head`` if read already) and handle it."""
-        sock, server_id = self.sock, self.awaited.server_id
+        sock = self.sock
         if head is None:
             head = sock.recv(_NOBLOCK, copy=False)  # a Frame knows in C whether parts follow
         frames = []
@@ -261,10 +297,15 @@ class Dealer:
             frame = sock.recv(copy=False)
             frames.append(frame)
             more = frame.more
+        self._handle(head.bytes, frames, done)
+
+    def _handle(self, head: bytes, frames: list, done: list) -> None:
+        """One message from the server (by the socket or the lane), answered into ``done``."""
+        server_id = self.awaited.server_id
         try:
-            register = self.awaited.handle(head.bytes, frames, done)
-            if register is not None:  # a new session: before anything that could use it
-                sock.send(register, _NOBLOCK)
+            register = self.awaited.handle(head, frames, done)
+            if register is not None:  # a new session (or its lane): before anything that could use it
+                self.sock.send(register, _NOBLOCK)
         except ProtocolError as exc:
             log.warning("dropped a malformed reply from %s: %s", self.address, exc)
         except Exception:  # a bug must not lose the replies after this one

@@ -74,7 +74,11 @@ class Link:
         self._interval, self._timeout = options.heartbeat_interval_s, options.heartbeat_timeout_s
         self._shm = CurrentSession(options.shm, options.shm_threshold, self._post)
         self.awaited = Awaited(address, options.tensor_type, self._shm, errors)
-        self.dealer = Dealer(address, options, self.awaited, thread)
+        try:
+            self.dealer = Dealer(address, options, self.awaited, thread)
+        except BaseException:
+            self._shm.close()
+            raise
         self._ids = itertools.count()
         self._callbacks: list[Callable[[str], None]] = []
         self._thread_done: list = []  # what the thread read this turn, completed after it gave the socket back
@@ -87,6 +91,7 @@ class Link:
         except BaseException:  # no thread to close the socket: close it here
             self.dealer.shut()
             self.dealer.term()
+            self._shm.close()
             thread.dispose()
             raise
 
@@ -98,7 +103,11 @@ class Link:
         future: Any = Future()
         request, frames = self._prepare(payload, timeout, stream, future, priority)
         dealer = self.dealer
-        dealer.transmit(request.key, frames, dealer.enter(request))  # given back: the thread is woken to read
+        owned = dealer.enter(request)
+        if not self._by_lane(request, frames):
+            dealer.transmit(request.key, frames, owned)  # given back: the thread is woken to read
+        elif owned == 1:
+            dealer.leave()
         return future
 
     def call(self, payload: Any, timeout: float | None = None, priority: int = 0) -> Slot:
@@ -108,7 +117,8 @@ class Link:
         deadline = None if timeout is None else time.monotonic() + timeout
         dealer = self.dealer
         owned = dealer.enter(request)
-        dealer.transmit(request.key, frames, owned, keep=True)
+        if not self._by_lane(request, frames):
+            dealer.transmit(request.key, frames, owned, keep=True)
         if owned:
             dealer.read(slot, deadline, owned == 1)
         if not slot.done():
@@ -188,6 +198,7 @@ class Link:
         if ended:
             self._thread.dispose()
             dealer.term()
+            self._shm.close()
 
     # -- sending -----------------------------------------------------------------------
 
@@ -217,6 +228,12 @@ class Link:
                 raise
             blocks, frames = encoder.blocks, [data, *encoder.frames]
         return Request(request_id, future, "submit", time.monotonic(), blocks, session, released, stream), frames
+
+    def _by_lane(self, request: Request, frames: list[Any]) -> bool:
+        """Sent by the session's lane (``runtime.link.lane``): a plain submit, one frame, no shm block."""
+        lane = self._shm.lane
+        return (lane is not None and request.stream is None and not request.blocks and len(frames) == 1
+                and lane.send(frames[0]))
 
     def _post(self, frames: list[Any]) -> None:
         """Queue a message with no reply (CurrentSession's registers go out before what uses them)."""
@@ -274,7 +291,12 @@ class Link:
                 self._thread.wake()
                 return items
             items += [(dealer.sock, self._on_readable), (dealer.pipe.fd, dealer.pipe.drain)]
+            if dealer.lane_fd is not None:
+                items.append((dealer.lane_fd, self._on_lane))
         return items
+
+    def _on_lane(self) -> None:
+        self.dealer.read_lane(self._thread_done)
 
     def _on_readable(self) -> None:
         self.dealer.read_one(self._thread_done)

@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 import zmq
 
+from runtime.link.lane import Doorbell
 from runtime.link.peer_shm import ClientShm, PeerSessions
 from runtime.link.pending import Entry, PendingTable
 from runtime.transport.endpoints import CurveKeys
@@ -152,6 +153,10 @@ class Listener(Responder):
             if not success:
                 self.close(0)
         super().__init__(bound)
+        if self._ipc:  # same-host clients may ask for a lane (runtime.link.lane)
+            self.peers.doorbell = Doorbell()
+        #: poll it beside ``fd`` (None: no lanes); ``read_batch`` reads it
+        self.doorbell_fd = None if self.peers.doorbell is None else self.peers.doorbell.fd
 
     def _serve_curve(self, curve: CurveKeys) -> None:
         from zmq.auth.thread import ThreadAuthenticator
@@ -174,11 +179,21 @@ class Listener(Responder):
         self._wake_pipe.drain()
 
     def read_batch(self) -> tuple[list[tuple[bytes, list[Any]]], bool]:
-        """What has arrived, as (identity, [header bytes, *tensor Frames]); True if a full batch (read on)."""
+        """What has arrived, as (identity, [header bytes, *tensor Frames]); True if a full batch (read on).
+        The lanes' requests come first, read after the ROUTER: a cancel sent after a lane's submit
+        follows it."""
         batch: list[tuple[bytes, list[Any]]] = []
+        full = self._read_router(batch)
+        if self.doorbell_fd is not None and self._open:
+            lanes = self.peers.read_lanes()
+            if lanes:
+                batch = lanes + batch
+        return batch, full
+
+    def _read_router(self, batch: list[tuple[bytes, list[Any]]]) -> bool:
         with self._lock:
             if not self._open:
-                return batch, False
+                return False
             router = self._router
             while router.get(_EVENTS) & _POLLIN:
                 identity = router.recv(_NOBLOCK)  # a ROUTER's first part: the peer's identity, never alone
@@ -191,8 +206,8 @@ class Listener(Responder):
                     more = frame.more
                 batch.append((identity, frames))
                 if len(batch) >= RECV_BATCH:
-                    return batch, True
-        return batch, False
+                    return True
+        return False
 
     # -- any thread -----------------------------------------------------------------------
 

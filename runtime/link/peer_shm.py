@@ -26,11 +26,15 @@ results go as frames. Closing a session unlinks and unmaps all it holds.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
+from typing import Any
 
 from runtime.core.errors import ProtocolError
+from runtime.link.client_protocol import lane_result
+from runtime.link.lane import LANE_BYTES, Doorbell, ServerLane
 from runtime.link.session import ShmSession
 from runtime.transport.arena import sweep_stale
 
@@ -52,7 +56,7 @@ class ClientShm:
     connection's identity, pid, last word and requests in flight."""
 
     __slots__ = ("identity", "run_id", "pid", "session", "result_run_id", "last_seen", "requests",
-                 "register", "view", "release")
+                 "register", "view", "release", "lane", "lane_id")
 
     def __init__(self, identity: bytes, run_id: str, pid: int | None) -> None:
         self.identity = identity
@@ -66,6 +70,8 @@ class ClientShm:
         self.view = self.session.view  # (segment, offset, nbytes): a registered segment's block
         #: (blocks, mapped): result blocks freed; ``mapped``: the client mapped their segments (unlink them)
         self.release = self.session.free
+        self.lane: ServerLane | None = None  # a submit's one-frame reply goes here (runtime.link.lane)
+        self.lane_id = -1
 
     def place_result(self, nbytes: int) -> tuple[str, int, memoryview] | None:
         """A block of our result arena (None beyond ``RESULT_SHM_LIMIT`` or once closed: frames)."""
@@ -73,15 +79,21 @@ class ClientShm:
         return None if placed is None else placed[:3]
 
     def close(self) -> None:
+        if self.lane is not None:
+            self.lane.close()
         self.session.close()
 
 
 class PeerSessions:
-    """Every connection's ``ClientShm``, by ZMQ identity and by run id (I/O thread only)."""
+    """Every connection's ``ClientShm``, by ZMQ identity and by run id, and their lanes by id (I/O
+    thread only). ``doorbell``: the lanes' announcements (a Listener on ipc:// sets it)."""
 
     def __init__(self) -> None:
         self._clients: dict[bytes, ClientShm] = {}
         self._run_ids: dict[str, bytes] = {}
+        self.doorbell: Doorbell | None = None
+        self._lanes: dict[int, ClientShm] = {}
+        self._lane_ids = itertools.count()
 
     def get(self, identity: bytes) -> ClientShm | None:
         return self._clients.get(identity)
@@ -114,6 +126,50 @@ class PeerSessions:
             client.register(segment)  # ProtocolError for a forged, foreign or missing name
         return client
 
+    def open_lane(self, client: ClientShm | None, segment: str, offset: int, fd: int) -> dict[str, Any]:
+        """A lane for ``client`` over its block at ``segment``/``offset`` (``runtime.link.lane``); the
+        ``lane`` op's result. ProtocolError when it cannot be had; ShmClientsFull when lanes are full."""
+        if self.doorbell is None or client is None or client.pid is None:
+            raise ProtocolError("a lane needs ipc:// and a register with a pid first")
+        if client.lane is not None:
+            raise ProtocolError("this connection has a lane already")
+        if len(self._lanes) >= self.doorbell.max_lanes:
+            raise ShmClientsFull(f"{self.doorbell.max_lanes} clients already have a lane")
+        if len(client.session.admitted) >= MAX_SEGMENTS_PER_CLIENT:
+            raise ProtocolError(f"at most {MAX_SEGMENTS_PER_CLIENT} segments per connection")
+        client.register(segment)  # mapped, its name unlinked; ProtocolError for a forged or missing one
+        block = client.view(segment, offset, LANE_BYTES)  # ProtocolError: past its end
+        try:
+            client.lane = ServerLane(block, client.pid, fd)
+        except OSError as exc:
+            raise ProtocolError(f"the lane's reply pipe cannot be opened: {exc}"[:300]) from None
+        client.lane_id = next(self._lane_ids) % 2**32
+        self._lanes[client.lane_id] = client
+        return lane_result(os.getpid(), self.doorbell.writer, client.lane_id)
+
+    def read_lanes(self) -> list[tuple[bytes, list[Any]]]:
+        """The requests announced on the doorbell since the last look, as (identity, [header])."""
+        out: list[tuple[bytes, list[Any]]] = []
+        for lane_id in self.doorbell.read() if self._lanes else ():
+            client = self._lanes.get(lane_id)
+            if client is None:  # its lane closed since
+                continue
+            try:
+                data = client.lane.requests.get()
+            except ValueError as exc:  # the client broke its own ring: no lane from now on
+                log.warning("closing the lane of pid %s: %s", client.pid, exc)
+                self._close_lane(client)
+                continue
+            if data is not None:
+                out.append((client.identity, [data]))
+        return out
+
+    def _close_lane(self, client: ClientShm) -> None:
+        if client.lane is not None:
+            self._lanes.pop(client.lane_id, None)
+            client.lane.close()
+            client.lane = None
+
     def drop_gone(self, now: float, client_timeout_s: float) -> None:
         """Close the sessions of clients whose process is gone, or idle and silent too long."""
         idle = [c for c in self._clients.values()
@@ -124,6 +180,7 @@ class PeerSessions:
                      client.pid, now - client.last_seen)
             del self._clients[client.identity]
             self._run_ids.pop(client.run_id, None)
+            self._close_lane(client)
             client.close()
         if idle:
             sweep_stale()
@@ -134,6 +191,10 @@ class PeerSessions:
             client.close()
         self._clients.clear()
         self._run_ids.clear()
+        self._lanes.clear()
+        if self.doorbell is not None:
+            self.doorbell.close()
+            self.doorbell = None
 
 
 def pid_alive(pid: int) -> bool:

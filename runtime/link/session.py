@@ -51,8 +51,10 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from runtime.core import env
 from runtime.core.errors import ProtocolError
 from runtime.link.client_protocol import register_header
+from runtime.link.lane import LANE_BYTES, ClientLane, ReplyPipe
 from runtime.transport.arena import ShmArena, ShmMapper, new_run_id, sweep_stale
 from runtime.transport.protocol import PayloadEncoder
 
@@ -85,6 +87,8 @@ class ShmSession:
         self._outstanding_bytes = 0
         self._unlinked: set[str] = set()
         self._lock = threading.Lock()
+        self.lane: ClientLane | None = None  # the client's, over a block of ``_lane_arena``
+        self._lane_arena: ShmArena | None = None
         if peer_run_id is not None:
             self.mapper = ShmMapper(peer_run_id)  # raises ValueError for a malformed run id
             self.admitted = set()
@@ -220,11 +224,21 @@ class ShmSession:
         """Blocks ``take_released`` gave for a message that did not go out: first in line again."""
         self.released.extendleft((segment, offset) for segment, offset in reversed(blocks))
 
+    def make_lane(self) -> ClientLane:
+        """The client's lane over a segment of its own (``runtime.link.lane``; the server maps it and
+        unlinks its name, ``close`` unlinks it if the server did not)."""
+        self._lane_arena = ShmArena(self.run_id, LANE_BYTES)
+        self.lane = ClientLane(*self._lane_arena.place(LANE_BYTES))
+        return self.lane
+
     def close(self) -> None:
         with self._lock:
             self.closed = True
             if self.arena is not None:
                 self.arena.close()
+            if self.lane is not None:
+                self.lane.close()
+                self._lane_arena.close()
         if self.mapper is not None:
             self.mapper.close()
 
@@ -240,6 +254,22 @@ class CurrentSession:
         self.lock = threading.Lock()  # current, and what is announced of its arena
         self.current: ShmSession | None = None
         self._bound: tuple[Any, Any, Any] = (None, None, None)  # (session, place, borrow), made once a session
+        #: the link's reply pipe, for the lanes of its sessions (None: no lanes)
+        self.replies = ReplyPipe() if enabled and env.lane() and os.path.isdir("/proc/self/fd") else None
+
+    @property
+    def lane(self) -> ClientLane | None:
+        """The current session's lane, once the server accepted it (requests may go by it)."""
+        session = self.current
+        lane = None if session is None else session.lane
+        return lane if lane is not None and lane.up else None
+
+    @property
+    def reply_lane(self) -> ClientLane | None:
+        """The current session's lane, accepted or not: the server may reply by it before its answer
+        to ``lane`` is read."""
+        session = self.current
+        return None if session is None else session.lane
 
     def wants(self) -> bool:
         """Shared memory is on and not refused, but no usable session exists (yet)."""
@@ -269,6 +299,26 @@ class CurrentSession:
                 session.map_peer(result["result_run_id"])
             session.peer_mapped(result.get("mapped") or [])  # unlinked by the server already; making sure
         return True
+
+    def lane_request(self) -> bytes | None:
+        """After a successful register: the ``lane`` op, over a new segment of the current session
+        (None: no lanes, or no session)."""
+        with self.lock:
+            session = self.current
+            if self.replies is None or session is None or not session.usable or session.lane is not None:
+                return None
+            return session.make_lane().ask(self.replies.writer)
+
+    def lane_opened(self, header: dict[str, Any]) -> None:
+        """The server's answer to ``lane``: the lane is up, or it stays down (libzmq alone)."""
+        session = self.current
+        if session is not None and session.lane is not None:
+            session.lane.answered(header)
+
+    def close(self) -> None:
+        """The link is closed and nobody reads it: close the reply pipe."""
+        if self.replies is not None:
+            self.replies.close()
 
     def drop(self, swept: bool = False) -> None:
         """Close the current session (its views stay valid); ``swept``: also sweep the names a killed

@@ -52,8 +52,8 @@ import torch
 import zmq
 
 from runtime.core.errors import EngineUnavailableError, ProtocolError
-from runtime.link.client_protocol import (HEADER_FIELDS, OP_FIELDS, PROTOCOL_VERSION, cancel_result, no_frames,
-                                          ping_result, register_fields, register_result, release_blocks,
+from runtime.link.client_protocol import (HEADER_FIELDS, OP_FIELDS, PROTOCOL_VERSION, cancel_result, lane_fields,
+                                          no_frames, ping_result, register_fields, register_result, release_blocks,
                                           submit_options)
 from runtime.link.listener import Responder
 from runtime.link.peer_shm import ClientShm, ShmClientsFull
@@ -324,6 +324,16 @@ class MessageHandler:
             raise Rejected("Overloaded", str(exc)) from None
         result = register_result(client.run_id, client.result_run_id, segments)
         self.replies.ok(identity, "register", request_id, result)
+
+    def _op_lane(self, identity: bytes, request_id: Any, header: dict, frames: list, client: ClientShm | None) -> None:
+        no_frames(frames)
+        try:  # refused, not malformed: its segment is gone when the client closed before we read this
+            result = self.shm.open_lane(client, *lane_fields(header))
+        except ShmClientsFull as exc:
+            raise Rejected("Overloaded", str(exc)) from None
+        except ProtocolError as exc:
+            raise Rejected("InvalidRequest", str(exc)) from None
+        self.replies.ok(identity, "lane", request_id, result)
 
     def _op_release(self, identity: bytes, request_id: Any, header: dict, frames: list,
                     client: ClientShm | None) -> None:

@@ -184,6 +184,8 @@ class IoLoop:
         poller = select.poll()
         poller.register(listener.fd, select.POLLIN)  # edge-triggered: see runtime.link.listener
         poller.register(listener.wake_fd, select.POLLIN)
+        if listener.doorbell_fd is not None:  # same-host clients' lanes (runtime.link.lane)
+            poller.register(listener.doorbell_fd, select.POLLIN)
         wake_fd = listener.wake_fd
         spinner = self._spinner
         poll_now = functools.partial(poller.poll, 0)
@@ -201,8 +203,9 @@ class IoLoop:
                                               budget=min(spinner.budget, int(wait_ms * 1e6)))
                     else:
                         events = poller.poll(wait_ms)
-                if events and (len(events) > 1 or events[0][0] == wake_fd):
-                    listener.drain_wake()
+                for fd, _ in events:
+                    if fd == wake_fd:
+                        listener.drain_wake()
                 listener.recheck = False
                 self._bookkeeping()
                 if not backlog:

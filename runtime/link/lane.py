@@ -1,0 +1,294 @@
+"""The same-host lane: a submit and its reply through shared memory and a pipe, past libzmq.
+
+Torch-free; imports ``runtime.link.client_protocol`` (the ``lane`` op) of the project. Over ``ipc://`` every message of a link crosses libzmq's I/O
+thread on each side: four thread hand-offs per round trip, which on a 2-core machine cost a client
+and its server more CPU than the whole of phyrt's own Python (``bench.serving``: 8 client
+processes). A lane takes a plain submit (one frame: no tensor frame, no shared-memory reference)
+and any submit's one-frame reply around them:
+
+    client (holder of its Dealer)                       server (its I/O thread; any thread replies)
+    requests ring: put(header)  --- doorbell pipe --->  Doorbell.read(): a lane id per message;
+      then write the lane's id (4 bytes)                  requests.get() once per id
+    replies ring: get() once per byte  <-- reply pipe -- ServerLane.reply(header): put, then 1 byte
+
+Both rings lie in one block of the client's session arena (``LANE_BYTES``), which the server
+maps as it maps any registered segment. The client's reply pipe lives as long as its link; the
+server's doorbell as long as its listener; each side opens the other's pipe end through
+``/proc/PID/fd/N`` (same user: an ``ipc://`` path sits in a 0700 directory), and checks that it is a
+pipe. A lane is asked for with the ``lane`` op after ``register``; a server that refuses it (an
+older one, or a ``/proc`` it cannot open) leaves the link on libzmq alone.
+
+Invariants:
+- A ring has one writer and one reader: a client's requests are written under ``ClientLane``'s
+  lock and read by the server's I/O thread; replies are written under ``ServerLane``'s lock and
+  read by whoever holds the client's Dealer. Each message is announced by one pipe write *after*
+  it is in the ring, and the reader takes exactly one message per announcement it read, so what it
+  reads was written before (the pipe's syscalls order the memory, on any CPU).
+- A pipe write never blocks and never fails for room: a ring refuses a message once
+  ``max_unread`` of its messages are unread, and the pipes hold more announcements than all
+  the rings can have unread (``Doorbell.max_lanes``). A message a ring refuses goes by libzmq.
+- Order: only submits and their replies use a lane, and a submit has one reply. The server
+  reads its ROUTER before the lanes and handles the lanes' messages first, so a ``cancel`` sent
+  by libzmq after its submit went by the lane finds the submit.
+- A peer that died: the write of the announcement fails (EPIPE), the lane closes, and the
+  message goes by libzmq, whose failure path (a lost connection) answers it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import stat
+import struct
+import threading
+from typing import Any
+
+from runtime.link.client_protocol import lane_header
+
+__all__ = ["LANE_BYTES", "ClientLane", "Doorbell", "ReplyPipe", "Ring", "ServerLane"]
+
+#: bytes of one ring's data; a message may take at most a quarter of it
+RING_BYTES = 256 << 10
+_HEAD = 64  # head u64, taken u64 (the reader's); tail u64, put u64 (the writer's)
+#: the block of the client's arena that holds both rings
+LANE_BYTES = 2 * (_HEAD + RING_BYTES)
+#: a client's requests unread by the server at most; then they go by libzmq
+MAX_UNREAD_REQUESTS = 64
+#: replies unread by the client at most (its reply pipe holds 64 KiB of announcements)
+MAX_UNREAD_REPLIES = 4096
+_WRAP = 0xFFFFFFFF
+_ID = struct.Struct("<I")
+_U32 = struct.Struct("<I")
+_READER = struct.Struct("<QQ")
+_ALL = struct.Struct("<QQQQ")
+_F_SETPIPE_SZ = 1031
+
+log = logging.getLogger("phyrt.client")
+
+
+class Ring:
+    """One direction of a lane: a byte ring in shared memory with one writer and one reader."""
+
+    __slots__ = ("_buf", "_base", "_data", "_max", "_max_unread")
+
+    def __init__(self, buf: memoryview, base: int, max_unread: int) -> None:
+        self._buf = buf
+        self._base = base
+        self._data = base + _HEAD
+        self._max = RING_BYTES // 4
+        self._max_unread = max_unread
+
+    def put(self, data: bytes) -> bool:
+        """Append one message (the writer); False when it is too large or the ring has no room."""
+        n = len(data)
+        size = (4 + n + 7) & ~7
+        buf, base = self._buf, self._base
+        head, taken, tail, put = _ALL.unpack_from(buf, base)
+        if size > self._max or put - taken >= self._max_unread:
+            return False
+        pos = tail % RING_BYTES
+        skip = RING_BYTES - pos if RING_BYTES - pos < size else 0
+        if tail + skip + size - head > RING_BYTES:
+            return False
+        start = self._data + pos
+        if skip:  # no room before the end: a marker, and the message at the start
+            _U32.pack_into(buf, start, _WRAP)
+            start = self._data
+        _U32.pack_into(buf, start, n)
+        buf[start + 4:start + 4 + n] = data
+        _READER.pack_into(buf, base + 16, tail + skip + size, put + 1)  # published after its bytes
+        return True
+
+    def get(self) -> bytes | None:
+        """The oldest message (the reader), or None when the ring is empty."""
+        buf, base = self._buf, self._base
+        head, taken, tail, _ = _ALL.unpack_from(buf, base)
+        if head == tail:
+            return None
+        pos = head % RING_BYTES
+        n = _U32.unpack_from(buf, self._data + pos)[0]
+        if n == _WRAP:
+            head += RING_BYTES - pos
+            pos = 0
+            n = _U32.unpack_from(buf, self._data)[0]
+        start = self._data + pos
+        if n > self._max:
+            raise ValueError(f"a lane message of {n} bytes (at most {self._max}): the ring is corrupt")
+        data = bytes(buf[start + 4:start + 4 + n])
+        _READER.pack_into(buf, base, head + ((4 + n + 7) & ~7), taken + 1)
+        return data
+
+
+def open_peer_pipe(pid: int, fd: int, flags: int) -> int:
+    """A new descriptor for pipe end ``fd`` of process ``pid`` (its ``/proc`` link); OSError if it
+    cannot be opened or is not a pipe."""
+    if isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid < 2**31 \
+            or isinstance(fd, bool) or not isinstance(fd, int) or not 0 <= fd < 2**20:
+        raise OSError(errno.EINVAL, f"not a process and descriptor: {pid!r}, {fd!r}")
+    opened = os.open(f"/proc/{pid}/fd/{fd}", flags | os.O_CLOEXEC)
+    if not stat.S_ISFIFO(os.fstat(opened).st_mode):
+        os.close(opened)
+        raise OSError(errno.EINVAL, f"descriptor {fd} of process {pid} is not a pipe")
+    return opened
+
+
+class ReplyPipe:
+    """The client's pipe for reply announcements, for the life of its link: ``fd`` is polled by
+    whoever reads the link; ``writer`` is the end a server opens (kept, for the next server)."""
+
+    def __init__(self) -> None:
+        self.fd, self.writer = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+
+    def count(self) -> int:
+        """How many replies were announced since the last look (0: none, or the pipe is closed)."""
+        try:
+            return len(os.read(self.fd, 1 << 16))
+        except BlockingIOError:
+            return 0
+
+    def close(self) -> None:
+        for fd in (self.fd, self.writer):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fd = self.writer = -1
+
+
+class ClientLane:
+    """The client's end of one lane (one per shm session), over ``block`` at ``segment``/``offset``
+    of its arena: ``ask`` for it, ``answered``, then ``send`` plain submits and ``take`` replies."""
+
+    def __init__(self, segment: str, offset: int, block: memoryview) -> None:
+        self.requests = Ring(block, 0, MAX_UNREAD_REQUESTS)
+        self.replies = Ring(block, _HEAD + RING_BYTES, MAX_UNREAD_REPLIES)
+        self._at = (segment, offset)
+        self._lock = threading.Lock()
+        self._bell = -1  # the server's doorbell, once it accepted the lane
+        self._id = b""
+
+    @property
+    def up(self) -> bool:
+        return self._bell >= 0
+
+    def ask(self, reply_fd: int) -> bytes:
+        """The ``lane`` op that asks the server for this lane; ``reply_fd``: the link's reply pipe."""
+        return lane_header(*self._at, reply_fd)
+
+    def answered(self, header: dict[str, Any]) -> None:
+        """The server's answer to ``lane``: up, or down for good (logged: libzmq alone)."""
+        result = header.get("result")
+        if header.get("ok") is not True or not isinstance(result, dict):
+            log.info("no same-host lane: %s", header.get("error"))
+            return
+        try:
+            self.open(result.get("pid"), result.get("fd"), result.get("lane"))
+        except (OSError, TypeError, struct.error) as exc:
+            log.info("no same-host lane: the server's doorbell cannot be opened: %s", exc)
+
+    def open(self, pid: int, fd: int, lane_id: int) -> None:
+        """The server's answer to ``lane``: its doorbell (``/proc/pid/fd/fd``) and our lane's id."""
+        lane = _ID.pack(lane_id)  # struct.error for a bad id, before anything is opened
+        bell = open_peer_pipe(pid, fd, os.O_WRONLY)
+        with self._lock:
+            self._id = lane
+            self._bell = bell
+
+    def send(self, data: bytes) -> bool:
+        """The request in the ring and announced; False: it goes by libzmq (no room, or the lane is
+        closed: a server that died closes it here)."""
+        with self._lock:
+            if self._bell < 0 or not self.requests.put(data):
+                return False
+            try:
+                os.write(self._bell, self._id)
+            except OSError:  # EPIPE: the server is gone (the message stays unannounced)
+                self._close_locked()
+                return False
+        return True
+
+    def take(self, count: int) -> list[bytes]:
+        """Up to ``count`` replies (the holder of the Dealer)."""
+        out = []
+        for _ in range(count):
+            data = self.replies.get()
+            if data is None:  # an announcement from a server instance gone since
+                break
+            out.append(data)
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
+        if self._bell >= 0:
+            os.close(self._bell)
+            self._bell = -1
+
+
+class Doorbell:
+    """The server's pipe on which clients announce their lanes' requests (read by its I/O thread)."""
+
+    def __init__(self) -> None:
+        self.fd, self.writer = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        try:  # more announcements, more lanes (unprivileged processes may go to pipe-max-size, 1 MiB)
+            size = fcntl.fcntl(self.fd, _F_SETPIPE_SZ, 1 << 20)
+        except OSError:
+            size = 1 << 16
+        #: lanes whose unread requests the pipe can always hold
+        self.max_lanes = size // (_ID.size * MAX_UNREAD_REQUESTS)
+        self._carry = b""
+
+    def read(self) -> list[int]:
+        """The lane ids announced since the last read, one per message, in order."""
+        try:
+            data = os.read(self.fd, 1 << 16)
+        except BlockingIOError:
+            return []
+        if self._carry:
+            data, self._carry = self._carry + data, b""
+        whole = len(data) - len(data) % 4
+        if whole != len(data):
+            self._carry = data[whole:]
+        return [i for (i,) in _ID.iter_unpack(data[:whole])]
+
+    def close(self) -> None:
+        for fd in (self.fd, self.writer):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class ServerLane:
+    """The server's end of one client's lane: ``take`` its requests (I/O thread), ``reply`` (any thread)."""
+
+    def __init__(self, block: memoryview, pid: int, fd: int) -> None:
+        self.requests = Ring(block, 0, MAX_UNREAD_REQUESTS)
+        self.replies = Ring(block, _HEAD + RING_BYTES, MAX_UNREAD_REPLIES)
+        self._pipe = open_peer_pipe(pid, fd, os.O_WRONLY | os.O_NONBLOCK)  # OSError: no lane
+        self._lock = threading.Lock()
+
+    def reply(self, data: bytes) -> bool:
+        """The reply in the ring and announced; False: it goes by libzmq."""
+        with self._lock:
+            if self._pipe < 0 or not self.replies.put(data):
+                return False
+            try:
+                os.write(self._pipe, b"\x01")
+            except OSError:  # the client is gone (EPIPE)
+                self._close_locked()
+                return False
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
+        if self._pipe >= 0:
+            os.close(self._pipe)
+            self._pipe = -1
