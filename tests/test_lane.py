@@ -39,11 +39,12 @@ def test_a_ring_gives_back_every_message_in_order_across_many_wraps():
     model: collections.deque[bytes] = collections.deque()
     for _ in range(20000):
         if rng.random() < 0.55:
-            data = rng.randbytes(rng.choice([0, 1, 7, 8, 100, 4000, RING_BYTES // 8]))
+            data = [rng.randbytes(rng.choice([0, 1, 7, 8, 100, 4000, RING_BYTES // 8]))
+                    for _ in range(rng.choice([1, 1, 2, 3]))]
             if writer.put(data):
                 model.append(data)
-            else:  # refused only when it cannot fit now
-                assert sum((4 + len(m) + 7) & ~7 for m in model) + ((4 + len(data) + 7) & ~7) > RING_BYTES // 2
+            else:  # refused only when too large, or when it cannot fit now (a wrap skips < its size)
+                assert _size(data) > RING_BYTES // 4 or sum(_size(m) for m in model) + _size(data) > RING_BYTES // 2
         else:
             assert reader.get() == (model.popleft() if model else None)
     while model:
@@ -51,27 +52,45 @@ def test_a_ring_gives_back_every_message_in_order_across_many_wraps():
     assert reader.get() is None
 
 
+def _size(parts: list[bytes]) -> int:
+    return (8 + 4 * len(parts) + sum(map(len, parts)) + 7) & ~7
+
+
 @pytest.mark.timeout(30)
 def test_a_ring_refuses_what_does_not_fit_and_past_its_unread_count():
     writer, reader, _ = _ring(max_unread=3)
-    assert not writer.put(b"x" * (RING_BYTES // 4))  # a message takes at most a quarter
-    assert writer.put(b"a") and writer.put(b"b") and writer.put(b"c")
-    assert not writer.put(b"d")  # 3 unread
-    assert reader.get() == b"a"
-    assert writer.put(b"d")
+    assert not writer.put([b"x" * (RING_BYTES // 4)])  # a message takes at most a quarter
+    assert writer.put([b"a"]) and writer.put([b"b"]) and writer.put([b"c"])
+    assert not writer.put([b"d"])  # 3 unread
+    assert reader.get() == [b"a"]
+    assert writer.put([b"d"])
     writer2, reader2, _ = _ring()
-    big = b"y" * (RING_BYTES // 4 - 8)
+    big = [b"y" * (RING_BYTES // 4 - 16)]
     assert [writer2.put(big) for _ in range(5)] == [True, True, True, True, False]  # full
     assert reader2.get() == big and writer2.put(big)
 
 
 @pytest.mark.timeout(30)
+def test_tensor_frames_go_as_their_bytes_and_a_strided_one_is_refused():
+    writer, reader, _ = _ring()
+    frame = np.arange(12, dtype=np.float32).reshape(3, 4)
+    assert writer.put([b"head", memoryview(frame), frame[:, 0].copy()])
+    head, first, second = reader.get()
+    assert head == b"head" and first == frame.tobytes() and second == frame[:, 0].tobytes()
+    assert not writer.put([b"head", memoryview(frame[:, ::2])])  # not contiguous: libzmq takes it
+
+
+@pytest.mark.timeout(30)
 def test_a_corrupt_length_is_an_error_not_a_read_past_the_ring():
-    writer, reader, buf = _ring()
-    assert writer.put(b"hello")
-    buf[64:68] = (RING_BYTES).to_bytes(4, "little")  # the first message's length, forged
-    with pytest.raises(ValueError, match="corrupt"):
-        reader.get()
+    for forged in (RING_BYTES, 12):  # past the ring; parts longer than the message
+        writer, reader, buf = _ring()
+        assert writer.put([b"hello", b"world"])
+        if forged == RING_BYTES:
+            buf[64:68] = forged.to_bytes(4, "little")  # the first message's length
+        else:
+            buf[72:76] = (100).to_bytes(4, "little")  # its first part's length
+        with pytest.raises(ValueError, match="corrupt"):
+            reader.get()
 
 
 @pytest.mark.timeout(30)
@@ -128,10 +147,17 @@ def test_plain_calls_go_by_the_lane_and_tensors_still_by_shared_memory(served):
         assert wait_until(lambda: _lane_up(client), 10)
         for i in range(200):
             assert client.call({"i": i, "s": "x" * (i % 50)}, timeout=30) == {"i": i, "s": "x" * (i % 50)}
-        big = np.arange(64 * 1024, dtype=np.float32)
-        assert (client.call({"x": big}, timeout=30)["x"] == big).all()  # an ext 2 reference: by ZeroMQ
         [(requests, replies)] = _lane_counts(served)
         assert requests >= 200 and replies >= 200
+        obs = np.arange(32, dtype=np.float32).reshape(1, 32)  # a tensor frame: by the lane too
+        for i in range(20):
+            out = client.call({"obs": obs + i}, timeout=30)["obs"]
+            assert out.dtype == np.float32 and (out == obs + i).all()
+        assert _lane_counts(served)[0][0] >= requests + 20
+        big = np.arange(64 * 1024, dtype=np.float32)
+        before = _lane_counts(served)[0][0]
+        assert (client.call({"x": big}, timeout=30)["x"] == big).all()  # an ext 2 reference: by ZeroMQ
+        assert _lane_counts(served)[0][0] == before
 
 
 @pytest.mark.timeout(120)

@@ -396,9 +396,9 @@ def inline_server(tmp_path, monkeypatch):
     monkeypatch.setattr(Listener, "send", recording_send)
     reply = ServerLane.reply
 
-    def recording_reply(self, data):  # a submit's reply by its client's lane (runtime.link.lane)
-        sent.append((threading.current_thread().name, dict(reply_fields(data))))
-        return reply(self, data)
+    def recording_reply(self, frames):  # a submit's reply by its client's lane (runtime.link.lane)
+        sent.append((threading.current_thread().name, dict(reply_fields(frames[0]))))
+        return reply(self, frames)
 
     monkeypatch.setattr(ServerLane, "reply", recording_reply)
 

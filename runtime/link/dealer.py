@@ -244,13 +244,13 @@ class Dealer:
         if not count or lane is None:  # (announcements of a session dropped since)
             return False
         mine = header = None
-        for data in lane.take(count):
-            if future is not None and mine is None:
-                header = plain_result(data, future.request_id)
+        for parts in lane.take(count):
+            if future is not None and mine is None and len(parts) == 1:
+                header = plain_result(parts[0], future.request_id)
                 if header is not None:
-                    mine = data
+                    mine = parts[0]
                     continue
-            self._handle(data, [], done)
+            self._handle(parts[0], parts[1:], done)
         if mine is None:
             return False
         if self._own(mine, future, leave, header):

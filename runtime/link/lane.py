@@ -1,22 +1,23 @@
 """The same-host lane: a submit and its reply through shared memory and a pipe, past libzmq.
 
-Torch-free; imports ``runtime.link.client_protocol`` (the ``lane`` op) of the project. Over ``ipc://`` every message of a link crosses libzmq's I/O
-thread on each side: four thread hand-offs per round trip, which on a 2-core machine cost a client
-and its server more CPU than the whole of phyrt's own Python (``bench.serving``: 8 client
-processes). A lane takes a plain submit (one frame: no tensor frame, no shared-memory reference)
-and any submit's one-frame reply around them:
+Torch-free; imports ``runtime.link.client_protocol`` (the ``lane`` op) of the project. Over
+``ipc://`` every message of a link crosses libzmq's I/O thread on each side: four thread hand-offs
+per round trip, which on a 2-core machine cost a client and its server more CPU than all of
+phyrt's own Python (``bench.serving``, 8 client processes). A lane takes a submit with no block of
+shared memory (its header and tensor frames) and any submit's final reply around them:
 
     client (holder of its Dealer)                       server (its I/O thread; any thread replies)
-    requests ring: put(header)  --- doorbell pipe --->  Doorbell.read(): a lane id per message;
+    requests ring: put(frames)  --- doorbell pipe --->  Doorbell.read(): a lane id per message;
       then write the lane's id (4 bytes)                  requests.get() once per id
-    replies ring: get() once per byte  <-- reply pipe -- ServerLane.reply(header): put, then 1 byte
+    replies ring: get() once per byte  <-- reply pipe -- ServerLane.reply(frames): put, then 1 byte
 
-Both rings lie in one block of the client's session arena (``LANE_BYTES``), which the server
-maps as it maps any registered segment. The client's reply pipe lives as long as its link; the
+Both rings lie in one block of the client's own segment (``LANE_BYTES``), which the server maps
+as it maps any registered segment. The client's reply pipe lives as long as its link; the
 server's doorbell as long as its listener; each side opens the other's pipe end through
 ``/proc/PID/fd/N`` (same user: an ``ipc://`` path sits in a 0700 directory), and checks that it is a
 pipe. A lane is asked for with the ``lane`` op after ``register``; a server that refuses it (an
-older one, or a ``/proc`` it cannot open) leaves the link on libzmq alone.
+older one, or a ``/proc`` it cannot open) leaves the link on libzmq alone (docs/protocol.md
+section 7).
 
 Invariants:
 - A ring has one writer and one reader: a client's requests are written under ``ClientLane``'s
@@ -27,7 +28,7 @@ Invariants:
 - A pipe write never blocks and never fails for room: a ring refuses a message once
   ``max_unread`` of its messages are unread, and the pipes hold more announcements than all
   the rings can have unread (``Doorbell.max_lanes``). A message a ring refuses goes by libzmq.
-- Order: only submits and their replies use a lane, and a submit has one reply. The server
+- Order: only submits (not streams) and their final replies use a lane; a submit has one reply. The server
   reads its ROUTER before the lanes and handles the lanes' messages first, so a ``cancel`` sent
   by libzmq after its submit went by the lane finds the submit.
 - A peer that died: the write of the announcement fails (EPIPE), the lane closes, and the
@@ -43,7 +44,7 @@ import os
 import stat
 import struct
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 from runtime.link.client_protocol import lane_header
 
@@ -58,6 +59,8 @@ LANE_BYTES = 2 * (_HEAD + RING_BYTES)
 MAX_UNREAD_REQUESTS = 64
 #: replies unread by the client at most (its reply pipe holds 64 KiB of announcements)
 MAX_UNREAD_REPLIES = 4096
+#: parts of one message at most (a header and its tensor frames)
+MAX_PARTS = 257
 _WRAP = 0xFFFFFFFF
 _ID = struct.Struct("<I")
 _U32 = struct.Struct("<I")
@@ -80,9 +83,15 @@ class Ring:
         self._max = RING_BYTES // 4
         self._max_unread = max_unread
 
-    def put(self, data: bytes) -> bool:
-        """Append one message (the writer); False when it is too large or the ring has no room."""
-        n = len(data)
+    def put(self, parts: Sequence[Any]) -> bool:
+        """Append one message of ``parts`` (bytes-like, C-contiguous; the writer); False when it is
+        too large, the ring has no room, or a part cannot be viewed as bytes."""
+        try:
+            views = [p if type(p) is bytes else _bytes_of(p) for p in parts]
+        except (TypeError, ValueError):  # not contiguous: libzmq takes it
+            return False
+        count = len(views)
+        n = 4 + 4 * count + sum(len(v) for v in views)
         size = (4 + n + 7) & ~7
         buf, base = self._buf, self._base
         head, taken, tail, put = _ALL.unpack_from(buf, base)
@@ -96,13 +105,16 @@ class Ring:
         if skip:  # no room before the end: a marker, and the message at the start
             _U32.pack_into(buf, start, _WRAP)
             start = self._data
-        _U32.pack_into(buf, start, n)
-        buf[start + 4:start + 4 + n] = data
+        struct.pack_into(f"<{count + 2}I", buf, start, n, count, *(len(v) for v in views))
+        at = start + 8 + 4 * count
+        for v in views:
+            buf[at:at + len(v)] = v
+            at += len(v)
         _READER.pack_into(buf, base + 16, tail + skip + size, put + 1)  # published after its bytes
         return True
 
-    def get(self) -> bytes | None:
-        """The oldest message (the reader), or None when the ring is empty."""
+    def get(self) -> list[bytes] | None:
+        """The oldest message's parts (the reader), or None when the ring is empty."""
         buf, base = self._buf, self._base
         head, taken, tail, _ = _ALL.unpack_from(buf, base)
         if head == tail:
@@ -114,11 +126,24 @@ class Ring:
             pos = 0
             n = _U32.unpack_from(buf, self._data)[0]
         start = self._data + pos
-        if n > self._max:
-            raise ValueError(f"a lane message of {n} bytes (at most {self._max}): the ring is corrupt")
-        data = bytes(buf[start + 4:start + 4 + n])
+        count = _U32.unpack_from(buf, start + 4)[0] if 8 <= n <= self._max else -1
+        if not 0 < count <= MAX_PARTS or 4 + 4 * count > n:
+            raise ValueError(f"a lane message of {n} bytes in {count} parts: the ring is corrupt")
+        sizes = struct.unpack_from(f"<{count}I", buf, start + 8)
+        at, end = start + 8 + 4 * count, start + 4 + n
+        parts = []
+        for size in sizes:
+            if at + size > end:
+                raise ValueError("a lane message's parts reach past its end: the ring is corrupt")
+            parts.append(bytes(buf[at:at + size]))
+            at += size
         _READER.pack_into(buf, base, head + ((4 + n + 7) & ~7), taken + 1)
-        return data
+        return parts
+
+
+def _bytes_of(part: Any) -> memoryview:
+    view = memoryview(part)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def open_peer_pipe(pid: int, fd: int, flags: int) -> int:
@@ -196,11 +221,11 @@ class ClientLane:
             self._id = lane
             self._bell = bell
 
-    def send(self, data: bytes) -> bool:
-        """The request in the ring and announced; False: it goes by libzmq (no room, or the lane is
-        closed: a server that died closes it here)."""
+    def send(self, frames: Sequence[Any]) -> bool:
+        """The request (its header and tensor frames) in the ring and announced; False: it goes by
+        libzmq (no room, or the lane is closed: a server that died closes it here)."""
         with self._lock:
-            if self._bell < 0 or not self.requests.put(data):
+            if self._bell < 0 or not self.requests.put(frames):
                 return False
             try:
                 os.write(self._bell, self._id)
@@ -209,8 +234,8 @@ class ClientLane:
                 return False
         return True
 
-    def take(self, count: int) -> list[bytes]:
-        """Up to ``count`` replies (the holder of the Dealer)."""
+    def take(self, count: int) -> list[list[bytes]]:
+        """Up to ``count`` replies, each [header, *tensor frames] (the holder of the Dealer)."""
         out = []
         for _ in range(count):
             data = self.replies.get()
@@ -272,10 +297,10 @@ class ServerLane:
         self._pipe = open_peer_pipe(pid, fd, os.O_WRONLY | os.O_NONBLOCK)  # OSError: no lane
         self._lock = threading.Lock()
 
-    def reply(self, data: bytes) -> bool:
-        """The reply in the ring and announced; False: it goes by libzmq."""
+    def reply(self, frames: Sequence[Any]) -> bool:
+        """The reply (its header and tensor frames) in the ring and announced; False: it goes by libzmq."""
         with self._lock:
-            if self._pipe < 0 or not self.replies.put(data):
+            if self._pipe < 0 or not self.replies.put(frames):
                 return False
             try:
                 os.write(self._pipe, b"\x01")

@@ -230,10 +230,9 @@ class Link:
         return Request(request_id, future, "submit", time.monotonic(), blocks, session, released, stream), frames
 
     def _by_lane(self, request: Request, frames: list[Any]) -> bool:
-        """Sent by the session's lane (``runtime.link.lane``): a plain submit, one frame, no shm block."""
+        """Sent by the session's lane (``runtime.link.lane``): a submit with no block of shared memory."""
         lane = self._shm.lane
-        return (lane is not None and request.stream is None and not request.blocks and len(frames) == 1
-                and lane.send(frames[0]))
+        return lane is not None and request.stream is None and not request.blocks and lane.send(frames)
 
     def _post(self, frames: list[Any]) -> None:
         """Queue a message with no reply (CurrentSession's registers go out before what uses them)."""

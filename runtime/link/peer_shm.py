@@ -148,20 +148,20 @@ class PeerSessions:
         return lane_result(os.getpid(), self.doorbell.writer, client.lane_id)
 
     def read_lanes(self) -> list[tuple[bytes, list[Any]]]:
-        """The requests announced on the doorbell since the last look, as (identity, [header])."""
+        """The requests announced on the doorbell since the last look, as (identity, [header, *frames])."""
         out: list[tuple[bytes, list[Any]]] = []
         for lane_id in self.doorbell.read() if self._lanes else ():
             client = self._lanes.get(lane_id)
             if client is None:  # its lane closed since
                 continue
             try:
-                data = client.lane.requests.get()
+                parts = client.lane.requests.get()
             except ValueError as exc:  # the client broke its own ring: no lane from now on
                 log.warning("closing the lane of pid %s: %s", client.pid, exc)
                 self._close_lane(client)
                 continue
-            if data is not None:
-                out.append((client.identity, [data]))
+            if parts is not None:
+                out.append((client.identity, parts))
         return out
 
     def _close_lane(self, client: ClientShm) -> None:

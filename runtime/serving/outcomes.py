@@ -247,7 +247,8 @@ class Replies:
             sent = self._send(req.identity, stream_end(req.id, body, req.seq), frames)
         else:  # the packed reply: by the client's lane if it has one (runtime.link.lane)
             lane = req.peer.lane if req.peer is not None else None
-            sent = (lane is not None and not frames and type(body) is bytes and lane.reply(body)) or self._send(req.identity, body, frames)
+            sent = ((lane is not None and type(body) is bytes and lane.reply([body, *frames]))
+                    or self._send(req.identity, body, frames))
         if not sent and blocks:
             req.peer.release(blocks, mapped=False)
 
