@@ -20,6 +20,7 @@ from runtime.client import Client, ConnectionLostError
 from runtime.core.errors import ProtocolError
 from runtime.link import lane as lane_mod
 from runtime.link.lane import LANE_BYTES, MAX_UNREAD_REQUESTS, RING_BYTES, Doorbell, Ring
+from tests.test_client import _answers
 from tests.test_launch import ROOT, Launched, shm_names_of, wait_until
 
 
@@ -370,13 +371,6 @@ def test_a_server_killed_mid_call_fails_it_and_a_new_one_gets_a_new_lane(tmp_pat
         client.close()
         if second is not None:
             assert second.stop() == 0, second.log()
-
-
-def _answers(client: Client) -> bool:
-    try:
-        return client.call({"up": 1}, timeout=2) == {"up": 1}
-    except Exception:  # noqa: BLE001 - not yet
-        return False
 
 
 def test_the_lane_module_needs_no_torch():

@@ -174,29 +174,60 @@ class ReplyPipe:
             return 0
 
     def close(self) -> None:
-        for fd in (self.fd, self.writer):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        _close(self.fd, self.writer)
         self.fd = self.writer = -1
+
+
+class _Announcer:
+    """A ring's writer and the pipe end that announces each message it takes (any thread)."""
+
+    def __init__(self, ring: Ring, fd: int = -1, note: bytes = b"") -> None:
+        self.ring = ring
+        self.fd, self._note = fd, note  # -1: not (or no longer) open
+        self._lock = threading.Lock()
+
+    def attach(self, fd: int, note: bytes) -> None:
+        with self._lock:
+            self.fd, self._note = fd, note
+
+    def put(self, frames: Sequence[Any]) -> bool:
+        """The message in the ring and announced; False: it goes by libzmq (no room, or the pipe
+        closed: a peer that died closes it here, and its message stays unannounced)."""
+        with self._lock:
+            if self.fd < 0 or not self.ring.put(frames):
+                return False
+            try:
+                os.write(self.fd, self._note)
+            except OSError:  # EPIPE: the reader's process is gone
+                self._close_locked()
+                return False
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class ClientLane:
     """The client's end of one lane (one per shm session), over ``block`` at ``segment``/``offset``
-    of its arena: ``ask`` for it, ``answered``, then ``send`` plain submits and ``take`` replies."""
+    of its arena: ``ask`` for it, ``answered``, then ``send`` requests and ``take`` replies."""
 
     def __init__(self, segment: str, offset: int, block: memoryview) -> None:
-        self.requests = Ring(block, 0, MAX_UNREAD_REQUESTS)
+        self._requests = _Announcer(Ring(block, 0, MAX_UNREAD_REQUESTS))  # the server's doorbell, once open
         self.replies = Ring(block, _HEAD + RING_BYTES, MAX_UNREAD_REPLIES)
         self._at = (segment, offset)
-        self._lock = threading.Lock()
-        self._bell = -1  # the server's doorbell, once it accepted the lane
-        self._id = b""
+        #: a request (its header and tensor frames) in the ring and announced; False: by libzmq
+        self.send = self._requests.put
+        self.close = self._requests.close
 
     @property
     def up(self) -> bool:
-        return self._bell >= 0
+        return self._requests.fd >= 0
 
     def ask(self, reply_fd: int) -> bytes:
         """The ``lane`` op that asks the server for this lane; ``reply_fd``: the link's reply pipe."""
@@ -209,30 +240,10 @@ class ClientLane:
             log.info("no same-host lane: %s", header.get("error"))
             return
         try:
-            self.open(result.get("pid"), result.get("fd"), result.get("lane"))
+            lane = _ID.pack(result.get("lane"))  # struct.error for a bad id, before anything is opened
+            self._requests.attach(open_peer_pipe(result.get("pid"), result.get("fd"), os.O_WRONLY), lane)
         except (OSError, TypeError, struct.error) as exc:
             log.info("no same-host lane: the server's doorbell cannot be opened: %s", exc)
-
-    def open(self, pid: int, fd: int, lane_id: int) -> None:
-        """The server's answer to ``lane``: its doorbell (``/proc/pid/fd/fd``) and our lane's id."""
-        lane = _ID.pack(lane_id)  # struct.error for a bad id, before anything is opened
-        bell = open_peer_pipe(pid, fd, os.O_WRONLY)
-        with self._lock:
-            self._id = lane
-            self._bell = bell
-
-    def send(self, frames: Sequence[Any]) -> bool:
-        """The request (its header and tensor frames) in the ring and announced; False: it goes by
-        libzmq (no room, or the lane is closed: a server that died closes it here)."""
-        with self._lock:
-            if self._bell < 0 or not self.requests.put(frames):
-                return False
-            try:
-                os.write(self._bell, self._id)
-            except OSError:  # EPIPE: the server is gone (the message stays unannounced)
-                self._close_locked()
-                return False
-        return True
 
     def take(self, count: int) -> list[list[bytes]]:
         """Up to ``count`` replies, each [header, *tensor frames] (the holder of the Dealer)."""
@@ -243,15 +254,6 @@ class ClientLane:
                 break
             out.append(data)
         return out
-
-    def close(self) -> None:
-        with self._lock:
-            self._close_locked()
-
-    def _close_locked(self) -> None:
-        if self._bell >= 0:
-            os.close(self._bell)
-            self._bell = -1
 
 
 class Doorbell:
@@ -281,39 +283,29 @@ class Doorbell:
         return [i for (i,) in _ID.iter_unpack(data[:whole])]
 
     def close(self) -> None:
-        for fd in (self.fd, self.writer):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        _close(self.fd, self.writer)
 
 
 class ServerLane:
-    """The server's end of one client's lane: ``take`` its requests (I/O thread), ``reply`` (any thread)."""
+    """The server's end of one client's lane: its requests ring (read by the I/O thread), ``reply``
+    (any thread)."""
 
     def __init__(self, block: memoryview, pid: int, fd: int) -> None:
         self.requests = Ring(block, 0, MAX_UNREAD_REQUESTS)
         self.replies = Ring(block, _HEAD + RING_BYTES, MAX_UNREAD_REPLIES)
-        self._pipe = open_peer_pipe(pid, fd, os.O_WRONLY | os.O_NONBLOCK)  # OSError: no lane
-        self._lock = threading.Lock()
+        self._announcer = _Announcer(self.replies, open_peer_pipe(pid, fd, os.O_WRONLY | os.O_NONBLOCK), b"\x01")
 
     def reply(self, frames: Sequence[Any]) -> bool:
-        """The reply (its header and tensor frames) in the ring and announced; False: it goes by libzmq."""
-        with self._lock:
-            if self._pipe < 0 or not self.replies.put(frames):
-                return False
-            try:
-                os.write(self._pipe, b"\x01")
-            except OSError:  # the client is gone (EPIPE)
-                self._close_locked()
-                return False
-        return True
+        """The reply (its header and tensor frames) in the ring and announced; False: by libzmq."""
+        return self._announcer.put(frames)
 
     def close(self) -> None:
-        with self._lock:
-            self._close_locked()
+        self._announcer.close()
 
-    def _close_locked(self) -> None:
-        if self._pipe >= 0:
-            os.close(self._pipe)
-            self._pipe = -1
+
+def _close(*fds: int) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
