@@ -11,7 +11,7 @@ Leaf module: standard library only (the torch-free client imports it).
                                                          and servers run as SCHED_BATCH threads, more
                                                          requests/s from many clients, longer tails
                                                          next to busy processes (``runtime.transport.zmq_context``)
-    PHYRT_LANE           1                               0: an ipc:// client sends its plain submits by libzmq
+    PHYRT_LANE           1                               0: an ipc:// client sends its submits by libzmq
                                                          only, not by a same-host lane (``runtime.link.lane``)
 
 A side's default spin budget was measured on 2-core VMs (``runtime.transport.spin``):

@@ -165,7 +165,7 @@ class Awaited:
                 log.warning("the server at %s refused shared memory (%s); tensors go as frames",
                             self.address, header.get("error"))
                 return None
-            return self.shm.lane_request()  # sent at once: a lane for plain submits (runtime.link.lane)
+            return self.shm.lane_request()  # sent at once: a lane for submits (runtime.link.lane)
         if op == "lane":
             self.shm.lane_opened(header)
             return None

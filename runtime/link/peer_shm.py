@@ -70,7 +70,7 @@ class ClientShm:
         self.view = self.session.view  # (segment, offset, nbytes): a registered segment's block
         #: (blocks, mapped): result blocks freed; ``mapped``: the client mapped their segments (unlink them)
         self.release = self.session.free
-        self.lane: ServerLane | None = None  # a submit's one-frame reply goes here (runtime.link.lane)
+        self.lane: ServerLane | None = None  # its submits and their final replies may go here (runtime.link.lane)
         self.lane_id = -1
 
     def place_result(self, nbytes: int) -> tuple[str, int, memoryview] | None:
