@@ -161,6 +161,16 @@ def test_plain_calls_go_by_the_lane_and_tensors_still_by_shared_memory(served):
         assert _lane_counts(served)[0][0] == before
 
 
+@pytest.mark.timeout(60)
+def test_a_connected_client_has_its_lane_before_its_first_request(served):
+    """The lane's answer is read as soon as it comes (not with a later request's reply), so requests
+    of clients made together all go by their lanes, in the order they were sent."""
+    with Client(served.address) as first, Client(served.address) as second:
+        assert wait_until(lambda: _lane_up(first) and _lane_up(second), 10)
+        assert [c.call({"c": i}, timeout=30) for i, c in enumerate((first, second))] == [{"c": 0}, {"c": 1}]
+        assert sorted(requests for requests, _ in _lane_counts(served)) == [1, 1]
+
+
 @pytest.mark.timeout(120)
 def test_threads_submitting_past_the_rings_bounds_get_every_answer(served):
     """Four clients, threads submitting 300 at once (more than a ring takes unread): each future gets

@@ -165,8 +165,14 @@ class Awaited:
                 log.warning("the server at %s refused shared memory (%s); tensors go as frames",
                             self.address, header.get("error"))
                 return None
-            return self.shm.lane_request()  # sent at once: a lane for submits (runtime.link.lane)
+            lane = self.shm.lane_request()  # sent at once: a lane for submits (runtime.link.lane)
+            if lane is not None:
+                with self.lock:
+                    self.due["lane"] = time.monotonic()  # read soon: the lane is up before it is needed
+            return lane
         if op == "lane":
+            with self.lock:
+                self.due.pop("lane", None)
             self.shm.lane_opened(header)
             return None
         if op == "inputs_done":
