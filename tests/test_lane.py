@@ -20,6 +20,7 @@ from runtime.client import Client, ConnectionLostError
 from runtime.core.errors import ProtocolError
 from runtime.link import lane as lane_mod
 from runtime.link.lane import LANE_BYTES, MAX_UNREAD_REQUESTS, RING_BYTES, Doorbell, Ring
+from tests.conftest import engine_args
 from tests.test_client import _answers
 from tests.test_launch import ROOT, Launched, shm_names_of, wait_until
 
@@ -111,16 +112,19 @@ def test_the_doorbell_hands_out_whole_lane_ids_in_order():
 # --------------------------------------------------------------------------- a served engine
 
 
-@pytest.fixture
-def served(tmp_path):
-    """A ``Server`` over an inline ``tests.plugins:Echo`` engine in this process, on ipc://."""
-    from runtime import Engine, EngineArgs
+def _serve(tmp_path, **options):
+    """A started ``Server`` over an inline ``tests.plugins:Echo`` engine (CPU) in this process, on ipc://."""
+    from runtime import Engine
     from runtime.serving.server import Server
 
     private = tmp_path / "run"
     private.mkdir(mode=0o700)
-    server = Server(Engine(EngineArgs(plugin="tests.plugins:Echo")), f"ipc://{private}/s.sock")
-    server.start()
+    return Server(Engine(engine_args("tests.plugins:Echo")), f"ipc://{private}/s.sock", **options).start()
+
+
+@pytest.fixture
+def served(tmp_path):
+    server = _serve(tmp_path)
     yield server
     server.close(5)
 
@@ -296,16 +300,9 @@ def test_a_lane_without_a_registered_session_is_refused(served):
 def test_clients_that_come_and_go_leave_no_descriptor_or_segment_in_either_process(tmp_path):
     """Client and server in this process: each client's pipe and lane go at its close, the server's
     end of a lane with the session (dropped once silent for client_timeout_s)."""
-    from runtime import Engine, EngineArgs
-    from runtime.serving.server import Server
-
-    private = tmp_path / "run"
-    private.mkdir(mode=0o700)
     me = psutil.Process()
     before_shm = shm_names_of({os.getpid()})
-    server = Server(Engine(EngineArgs(plugin="tests.plugins:Echo")), f"ipc://{private}/s.sock",
-                    client_timeout_s=0.5)
-    server.start()
+    server = _serve(tmp_path, client_timeout_s=0.5)
     try:
         with Client(server.address) as client:  # the server's doorbell exists now
             client.call({"warm": 1}, timeout=30)

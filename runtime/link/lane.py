@@ -1,6 +1,7 @@
 """The same-host lane: a submit and its reply through shared memory and a pipe, past libzmq.
 
-Torch-free; imports ``runtime.link.client_protocol`` (the ``lane`` op) of the project. Over
+Torch-free; imports ``runtime.link.client_protocol`` (the ``lane`` op) and ``runtime.transport.protocol``
+(``byte_view``) of the project. Over
 ``ipc://`` every message of a link crosses libzmq's I/O thread on each side: four thread hand-offs
 per round trip, which on a 2-core machine cost a client and its server more CPU than all of
 phyrt's own Python (``bench.serving``, 8 client processes). A lane takes a submit with no block of
@@ -47,6 +48,7 @@ import threading
 from typing import Any, Sequence
 
 from runtime.link.client_protocol import lane_header
+from runtime.transport.protocol import byte_view
 
 __all__ = ["LANE_BYTES", "ClientLane", "Doorbell", "ReplyPipe", "Ring", "ServerLane"]
 
@@ -62,9 +64,8 @@ MAX_UNREAD_REPLIES = 4096
 #: parts of one message at most (a header and its tensor frames)
 MAX_PARTS = 257
 _WRAP = 0xFFFFFFFF
-_ID = struct.Struct("<I")
-_U32 = struct.Struct("<I")
-_READER = struct.Struct("<QQ")
+_U32 = struct.Struct("<I")  # a length, a marker, a lane's id
+_PAIR = struct.Struct("<QQ")  # (head, taken) or (tail, put)
 _ALL = struct.Struct("<QQQQ")
 _F_SETPIPE_SZ = 1031
 
@@ -87,7 +88,7 @@ class Ring:
         """Append one message of ``parts`` (bytes-like, C-contiguous; the writer); False when it is
         too large, the ring has no room, or a part cannot be viewed as bytes."""
         try:
-            views = [p if type(p) is bytes else _bytes_of(p) for p in parts]
+            views = [p if type(p) is bytes else byte_view(p) for p in parts]
         except (TypeError, ValueError):  # not contiguous: libzmq takes it
             return False
         count = len(views)
@@ -110,7 +111,7 @@ class Ring:
         for v in views:
             buf[at:at + len(v)] = v
             at += len(v)
-        _READER.pack_into(buf, base + 16, tail + skip + size, put + 1)  # published after its bytes
+        _PAIR.pack_into(buf, base + 16, tail + skip + size, put + 1)  # published after its bytes
         return True
 
     def get(self) -> list[bytes] | None:
@@ -137,13 +138,8 @@ class Ring:
                 raise ValueError("a lane message's parts reach past its end: the ring is corrupt")
             parts.append(bytes(buf[at:at + size]))
             at += size
-        _READER.pack_into(buf, base, head + ((4 + n + 7) & ~7), taken + 1)
+        _PAIR.pack_into(buf, base, head + ((4 + n + 7) & ~7), taken + 1)
         return parts
-
-
-def _bytes_of(part: Any) -> memoryview:
-    view = memoryview(part)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def open_peer_pipe(pid: int, fd: int, flags: int) -> int:
@@ -240,7 +236,7 @@ class ClientLane:
             log.info("no same-host lane: %s", header.get("error"))
             return
         try:
-            lane = _ID.pack(result.get("lane"))  # struct.error for a bad id, before anything is opened
+            lane = _U32.pack(result.get("lane"))  # struct.error for a bad id, before anything is opened
             self._requests.attach(open_peer_pipe(result.get("pid"), result.get("fd"), os.O_WRONLY), lane)
         except (OSError, TypeError, struct.error) as exc:
             log.info("no same-host lane: the server's doorbell cannot be opened: %s", exc)
@@ -266,7 +262,7 @@ class Doorbell:
         except OSError:
             size = 1 << 16
         #: lanes whose unread requests the pipe can always hold
-        self.max_lanes = size // (_ID.size * MAX_UNREAD_REQUESTS)
+        self.max_lanes = size // (_U32.size * MAX_UNREAD_REQUESTS)
         self._carry = b""
 
     def read(self) -> list[int]:
@@ -280,7 +276,7 @@ class Doorbell:
         whole = len(data) - len(data) % 4
         if whole != len(data):
             self._carry = data[whole:]
-        return [i for (i,) in _ID.iter_unpack(data[:whole])]
+        return [i for (i,) in _U32.iter_unpack(data[:whole])]
 
     def close(self) -> None:
         _close(self.fd, self.writer)

@@ -135,9 +135,7 @@ class PeerSessions:
             raise ProtocolError("this connection has a lane already")
         if len(self._lanes) >= self.doorbell.max_lanes:
             raise ShmClientsFull(f"{self.doorbell.max_lanes} clients already have a lane")
-        if len(client.session.admitted) >= MAX_SEGMENTS_PER_CLIENT:
-            raise ProtocolError(f"at most {MAX_SEGMENTS_PER_CLIENT} segments per connection")
-        client.register(segment)  # mapped, its name unlinked; ProtocolError for a forged or missing one
+        self.register(client.identity, client.run_id, [segment], client.pid)  # as a register would
         block = client.view(segment, offset, LANE_BYTES)  # ProtocolError: past its end
         try:
             client.lane = ServerLane(block, client.pid, fd)

@@ -62,7 +62,7 @@ from runtime.transport.tensor_fields import ITEMSIZE, MAX_NDIM, check_dtype
 
 __all__ = ["PROTOCOL_VERSION", "EXT_FRAME", "EXT_SHM", "MAX_DEPTH", "MAX_NDIM", "MAX_TENSOR_FRAMES", "MAX_ID_CHARS",
            "DEFAULT_SHM_THRESHOLD", "ITEMSIZE", "is_request_id", "PayloadEncoder", "Packed", "pack_header",
-           "unpack_header", "TensorResolver", "numpy_tensor", "numpy_view", "torch_tensor", "torch_view"]
+           "unpack_header", "TensorResolver", "byte_view", "numpy_tensor", "numpy_view", "torch_tensor", "torch_view"]
 
 PROTOCOL_VERSION = 1
 EXT_FRAME, EXT_SHM = 1, 2
@@ -304,7 +304,7 @@ class TensorResolver:
         if self.used[index]:
             raise ProtocolError(f"tensor frame {index} is referenced twice")
         self.used[index] = True
-        buf = _buffer(self.frames[index])
+        buf = byte_view(self.frames[index])
         return buf, name, shape, tensor_fields.check_nbytes(name, shape, buf.nbytes, f"frame {index} has")
 
     def _shm(self, body: Any) -> tuple[memoryview, str, list[int], int]:
@@ -321,7 +321,8 @@ class TensorResolver:
         return buf, name, shape, count
 
 
-def _buffer(frame: Any) -> memoryview:
+def byte_view(frame: Any) -> memoryview:
+    """``frame`` (a zmq.Frame or any C-contiguous buffer) as a flat memoryview of bytes, no copy."""
     buf = frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
     return buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
 
