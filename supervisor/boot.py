@@ -1,11 +1,13 @@
 """Spawn and boot: start every rank of every replica, and the handshake that ends the start.
 
     supervisor                                         rank process (workers.main.main(boot))
-    create the replica's broadcast ring (runtime.link.broadcast), its name in the boot message
+    create the replica's broadcast ring (runtime.link.broadcast), its name in the boot message;
+    in its segment the answer lane's ring, whose pipe rank 0 opens (runtime.link.lane)
     SpawnThread: Process(spawn).start(boot msgpack) -> prctl(PDEATHSIG), SIGINT ignored, name;
                                                        connect ctl DEALER
                                                        "c-R-r", hb DEALER "h-R-r";
                                                        process group, plugin build, map the ring
+                                                       (rank 0: open the answer lane's pipe)
     ctl ROUTER (the reader) <------------------------ READY {segments} | STARTUP_ERROR {error}
                                                        (runtime.link.rank_protocol)
     Startup.rank_ready: map the rank's result segments (so that their names can go at once);
@@ -33,24 +35,24 @@ import re
 import socket
 import threading
 import time
-import weakref
 from typing import Any, Callable
 
 import msgpack
-import numpy as np
 import zmq
 
+from runtime.core import env
 from runtime.core.config import EngineArgs, WorkerSupervisorConfig, dtype_name
 from runtime.core.errors import ProtocolError, WorkerStartupError
 from runtime.core.futures import resolve
 from runtime.link import rank_protocol as rp
 from runtime.link.broadcast import BroadcastWriter
+from runtime.link.lane import ANSWERS_BYTES, AnswerReader
 from runtime.transport import wire
 from runtime.transport.arena import ShmArena, ShmMapper
 from runtime.transport.shm_names import unlink_quiet
 from runtime.transport.spin import usable_cores
 from supervisor.processes import RankState, SpawnThread, run_module_main
-from supervisor.replica import Pending, Replica
+from supervisor.replica import Pending, Replica, ResultMapper
 
 log = logging.getLogger("phyrt.supervisor")
 
@@ -134,19 +136,6 @@ class Startup:
             self.finish(WorkerStartupError(f"not ready within startup_timeout_s={self._timeout_s}: {', '.join(slow)}"))
 
 
-class ResultMapper:
-    """Maps a rank's result segments; a decoded view frees its block when collected."""
-
-    def __init__(self, mapper: ShmMapper, replica: Replica, rank: int) -> None:
-        self._mapper, self._frees, self._rank = mapper, replica.frees, rank
-
-    def view(self, segment: str, offset: int, nbytes: int) -> memoryview:
-        view = self._mapper.view(segment, offset, nbytes)
-        holder = np.frombuffer(view, dtype=np.uint8)  # weak-referenceable owner of the view
-        weakref.finalize(holder, self._frees.append, (self._rank, segment, offset))
-        return memoryview(holder)
-
-
 class Launcher:
     """Starts the ranks of every replica into ``replicas`` (from the ``SpawnThread``)."""
 
@@ -183,13 +172,17 @@ class Launcher:
             group = Replica(replica, first_replica + replica, ShmArena(self._run_id, ARENA_BYTES),
                             config.execution_timeout_s, (batching.max_batch_size, batching.max_delay_ms / 1000))
             replicas.append(group)  # closed with the supervisor from here on, as its ring
-            group.ring = BroadcastWriter(self._run_id, len(devices))
+            lane = env.lane() and os.path.isdir("/proc/self/fd")
+            group.ring = BroadcastWriter(self._run_id, len(devices), answer_bytes=ANSWERS_BYTES if lane else 0)
+            if lane:
+                group.answers = AnswerReader(group.ring.answers)
             where = {**common, **self._rendezvous(config, replica, first_replica + replica),
                      "replica_index": first_replica + replica, "ring": group.ring.name,
                      "ring_nonce": group.ring.nonce}
-            for rank, device in enumerate(devices):  # the output rank alone spins (WorkerSupervisor)
-                spin = {"spin_ns": where["spin_ns"] if rank == 0 else 0}
-                self._spawn_rank(group, rank, device, {**where, **spin}, cuda)
+            for rank, device in enumerate(devices):  # the output rank alone spins and answers
+                output = {"spin_ns": where["spin_ns"] if rank == 0 else 0,
+                          "answers": [os.getpid(), group.answers.writer] if rank == 0 and lane else None}
+                self._spawn_rank(group, rank, device, {**where, **output}, cuda)
 
     def _rendezvous(self, config: WorkerSupervisorConfig, replica: int, engine_replica: int) -> dict[str, Any]:
         """Where ``replica``'s ranks meet: "port" (pinned base_port) or "store" (a file path)."""
@@ -224,19 +217,38 @@ class Answers:
         self._finished: list[tuple[Replica, Pending]] = []  # answered: their blocks to retire
         self.waiting = False  # after the last after_poll: a ring still waits for a rank (look again soon)
 
+    def items(self) -> list[tuple[Any, Callable[[], None]]]:
+        """What to poll for the ranks' answers, and what takes them: the ctl ROUTER, and the answer
+        lane of each replica that has one (``runtime.link.lane.AnswerReader``)."""
+        return [(self._router, self.take)] + [(g.answers.fd, functools.partial(self.take_lane, g))
+                                              for g in self._replicas if g.answers is not None]
+
     def take(self) -> None:
         """Take one ctl message (the poll said there is one)."""
         got = _recv_from_rank(self._router, self._peers, "message")
         if got is None:
             return
         group, r, payload, count = got
-        if group.failed is not None:
-            return
+        if group.failed is None:
+            self._take(group, r, payload.buffer, count)
+
+    def take_lane(self, group: Replica) -> None:
+        """Take the answers ``group``'s output rank sent by its answer lane (the poll saw its pipe)."""
+        try:
+            answers = group.answers.take()
+        except ValueError as exc:
+            answers = []
+            self._fail(group, f"rank 0 sent a malformed message: {exc}", exc)
+        for answer in answers:
+            if group.failed is None:
+                self._take(group, group.ranks[0], answer, 1)
+
+    def _take(self, group: Replica, r: RankState, payload: Any, count: int) -> None:
         if count != 1:
             self._fail(group, f"rank {r.rank} sent a malformed message: {count} frames, not 1")
             return
         try:
-            msg = wire.unpack_message(payload.buffer, expected_types=rp.ANSWERS, tensor_decoder=r.decoder)
+            msg = wire.unpack_message(payload, expected_types=rp.ANSWERS, tensor_decoder=r.decoder)
             self._handle(group, r, msg)
         except (ProtocolError, TypeError, ValueError, KeyError, AttributeError) as exc:
             # well-formed msgpack with fields of the wrong shape is just as malformed
@@ -246,8 +258,8 @@ class Answers:
     def read(self, role: Any, spinner: Any, poll_ms: int, future: Any, deadline: float | None) -> None:
         """As the reader (``ReaderRole.wait``): take answers until ``future`` is done, ``deadline``
         passed or the role is closed; woken through ``role.fd`` (a failure, close)."""
-        router = self._router
-        items = [(router, _POLLIN), (role.fd, _POLLIN)]
+        takes = dict(self.items())
+        items = [(item, _POLLIN) for item in takes] + [(role.fd, _POLLIN)]
         while not future.done() and not role.closed:
             wait_ms = 2 if self.waiting else poll_ms  # a ring waiting for a rank's credit: look soon
             if deadline is not None:
@@ -257,8 +269,9 @@ class Answers:
                 wait_ms = min(wait_ms, int(left * 1000) + 1)
             # with a core to spare, look for the answer a moment before sleeping
             for item, _ in spinner.wait(functools.partial(zmq.zmq_poll, items, 0), zmq.zmq_poll, items, wait_ms):
-                if item is router:
-                    self.take()
+                take = takes.get(item)
+                if take is not None:
+                    take()
                 else:
                     role.drain()
             self.after_poll()

@@ -4,12 +4,14 @@
                               slot too); under ``pending.lock``: registered, then queued in the
                               replica's ``Lanes`` and written once to the broadcast ring
                               (``runtime.link.broadcast``: every rank reads it) when its turn comes
-    done(rank, msg)           the reader's: rank 0's DONE claims its entry; PARTIAL feeds a stream
+    done(rank, msg)           the reader's: rank 0's DONE (by the answer lane, ``answers``, or the
+                              ctl socket) claims its entry; PARTIAL feeds a stream
     beat(rank, payload)       a heartbeat; rank 0's may carry its runner's info (``info``)
     fail(reason)              once: ``failed`` set under ``pending.lock``, then every entry taken
     blocks                    a request's go back once rank 0 answered and every rank released it
                               on the ring (``retire``/``reclaim``); a result view's block goes back
                               through ``frees`` -> FREE on the ring once the view is collected
+                              (``ResultMapper``: the ranks' result segments, mapped for decoding)
 
 Invariants:
 - The requests in flight are a ``runtime.link.pending.PendingTable`` (deadline: execution_timeout_s
@@ -49,7 +51,7 @@ from runtime.link.broadcast import FLAG_CONTROL, FLAG_SPILL, spill_ref
 from runtime.link.pending import Entry, PendingTable
 from runtime.link.rank_window import RankWindow
 from runtime.transport import wire
-from runtime.transport.arena import ShmArena
+from runtime.transport.arena import ShmArena, ShmMapper
 from supervisor.processes import RankState
 
 #: result blocks per "free" message (each fits a ring slot with room to spare)
@@ -82,6 +84,7 @@ class Replica:
         self.ranks: list[RankState] = []
         self.arena, self.arena_lock = arena, threading.Lock()
         self.ring: Any = None  # its ``BroadcastWriter`` (thread-safe), set right after this is kept
+        self.answers: Any = None  # rank 0's answer lane (``AnswerReader``, the reader's), if it has one
         self.pending: PendingTable[Pending] = PendingTable()
         self.failed: str | None = None
         self.info: dict | None = None  # rank 0's runner info, from its latest heartbeat carrying one
@@ -346,3 +349,15 @@ class LockedArena:
             self.placed.append(lent[:2])
         return lent
 
+
+class ResultMapper:
+    """Maps a rank's result segments; a decoded view frees its block when collected."""
+
+    def __init__(self, mapper: ShmMapper, replica: Replica, rank: int) -> None:
+        self._mapper, self._frees, self._rank = mapper, replica.frees, rank
+
+    def view(self, segment: str, offset: int, nbytes: int) -> memoryview:
+        view = self._mapper.view(segment, offset, nbytes)
+        holder = np.frombuffer(view, dtype=np.uint8)  # weak-referenceable owner of the view
+        weakref.finalize(holder, self._frees.append, (self._rank, segment, offset))
+        return memoryview(holder)

@@ -2,8 +2,9 @@
 
     caller threads                       link thread "phyrt-supervisor"      rank processes
     submit(replica, request, future) --- Replica.submit: broadcast ring ---> every rank reads it
-    finish_call(slot): the reader ------ ctl ROUTER <------- DONE/PARTIAL -- DEALER "c-R-0" (rank 0)
-                                         otherwise the reader: ctl ROUTER <-- (the same answers)
+    finish_call(slot): the reader ------ answer lane <----------- DONE ----- rank 0 (runtime.link.lane)
+                                         ctl ROUTER <---- PARTIAL, big DONE -- DEALER "c-R-0"
+                                         otherwise the reader: the same two
                                          always: hb ROUTER <------- HB ------ DEALER "h-R-r"
                                          sentinels, deadlines, the rings' flushes
     a failure anywhere --> _fail(replica), once --> its futures fail, its reaper stops its ranks
@@ -18,8 +19,9 @@ answers; deadlines are checked every ``heartbeat_interval_s`` / 2 and at each re
 
 Reader role (``runtime.transport.reader.ReaderRole``): one thread reads the ctl ROUTER, a caller
 of ``start_call`` waiting on its own slot when the role is free (no thread switch per round trip),
-else the link thread. Its lock guards only who reads (and ``_closed``); each replica's requests and
-``failed`` flag are under its table's lock. A submit registers its request, then looks whether
+else the link thread; the reader polls the ctl ROUTER and each replica's answer lane. Its lock
+guards only who reads (and ``_closed``); each replica's requests and ``failed`` flag are under its
+table's lock. A submit registers its request, then looks whether
 anyone reads; a reader gives the role up, then looks whether answers are due: one of them sees
 the other, so no answer waits unread.
 
@@ -270,7 +272,7 @@ class WorkerSupervisor:
         items = [(self._hb, functools.partial(answers.take_beats, self._hb))]
         items += [(fd, functools.partial(self._rank_exited, fd)) for fd in self._sentinels]
         if self._reading:
-            items.append((self._router, answers.take))
+            items += answers.items()
         return items
 
     def _rank_exited(self, fd: int) -> None:
@@ -338,6 +340,8 @@ class WorkerSupervisor:
         for group in self._replicas:
             group.arena.close()
             _close_ring(group)
+            if group.answers is not None:
+                group.answers.close()
         self._mapper.close()
         for sock in self._sockets:
             sock.close(0)

@@ -51,6 +51,7 @@ import zmq
 
 from runtime.link import rank_protocol as rp
 from runtime.link.broadcast import BroadcastReader
+from runtime.link.lane import answer_writer
 from runtime.transport import wire
 from runtime.transport.arena import ShmArena, ShmMapper
 from workers.serve_loop import serve
@@ -116,7 +117,8 @@ def main(bootstrap: bytes) -> None:
                                    stepped=core.stepped))
         if arena is not None:  # the output rank
             heartbeat.core = core
-        serve(ctl, ring, core, arena, decoder=wire.TensorDecoder(mapper=mapper, allow_cuda_ipc=boot["target"] == "cuda"))
+        serve(ctl, ring, core, arena, decoder=wire.TensorDecoder(mapper=mapper, allow_cuda_ipc=boot["target"] == "cuda"),
+              lane=_answer_lane(boot, ring))
     except BaseException:
         traceback.print_exc()  # the supervisor sees the exit; the text goes to the log
         code = 1
@@ -173,6 +175,18 @@ def _start(boot: dict[str, Any]):
     ring = BroadcastReader(boot["run_id"], boot["ring"], rank, boot["ring_nonce"], spin_ns=boot["spin_ns"],
                            mapper=mapper)
     return core, arena, mapper, ring
+
+
+def _answer_lane(boot: dict[str, Any], ring: BroadcastReader) -> Any:
+    """The output rank's end of its replica's answer lane (``runtime.link.lane``), or None: its
+    answers then all go by the ctl socket."""
+    if not boot["answers"] or ring.answers is None:
+        return None
+    try:
+        return answer_writer(ring.answers, *boot["answers"])
+    except OSError as exc:
+        print(f"phyrt rank: no answer lane, answers go by ZeroMQ: {exc}", file=sys.stderr)
+        return None
 
 
 def _rendezvous_place(boot: dict[str, Any]) -> str:

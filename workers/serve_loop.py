@@ -1,8 +1,9 @@
 """A rank's serving loop: the broadcast ring in, the output rank's answers out (``serve``).
 
-    BroadcastReader (every rank, in the ring's order)     ctl DEALER "c-R-r"
-      REQUEST -> EngineCore.run | add (stepped) ------>    DONE, PARTIAL (the output rank only;
-      BATCH {count} + its REQUESTs -> run_batch          another rank: a failed DONE only)
+    BroadcastReader (every rank, in the ring's order)     answer lane (runtime.link.lane): DONE
+      REQUEST -> EngineCore.run | add (stepped) ------>    ctl DEALER "c-R-r": PARTIAL, a stream's
+      BATCH {count} + its REQUESTs -> run_batch            DONE, one too large (the output rank
+                                                           only; another: a failed DONE only)
       CANCEL -> the runner's cancel (stepped)
       FREE -> the output rank's result blocks; SHUTDOWN -> return
 
@@ -12,6 +13,11 @@ rank (rank 0) answers: "done" for each request (with its result, or its error) a
 each stream chunk. The other ranks send nothing per request but "done" {ok: false} when their
 plugin raises; because ranks that share collectives cannot resume mid-request, the supervisor
 then takes the group down. Non-output ranks have no result arena.
+
+Answers: the output rank sends a "done" by its replica's answer lane (a ring in the broadcast
+segment and a pipe, past libzmq's I/O threads on both sides) unless the request streamed (its
+chunks went by the DEALER, and its end must follow them) or the lane refuses it (too large, no
+room, the engine gone); then by the DEALER. Answers of different requests need no order.
 
 Release: a rank tells the ring it is done with a message (``BroadcastReader.release``, in
 order): an executing runner after ``run``, a stepped one after ``add``, a control message at
@@ -56,9 +62,12 @@ from runtime.transport.arena import ShmArena
 INLINE_LIMIT = 64 * 1024
 
 
-def serve(ctl: zmq.Socket, ring: BroadcastReader, core: Any, arena: ShmArena | None, decoder: Any) -> None:
-    """Read the ring until it closes (or says "shutdown"): admit, run or step, and answer."""
+def serve(ctl: zmq.Socket, ring: BroadcastReader, core: Any, arena: ShmArena | None, decoder: Any,
+          lane: Any = None) -> None:
+    """Read the ring until it closes (or says "shutdown"): admit, run or step, and answer (by
+    ``lane``, the replica's answer lane, where it takes the answer)."""
     encoder = wire.TensorEncoder(allocator=arena, inline_threshold=INLINE_LIMIT) if arena is not None else None
+    answers = _Answers(ctl, lane)
     stepped = core.stepped
     served = False  # after an answer: look for the next request a moment before sleeping
     while True:
@@ -97,7 +106,7 @@ def serve(ctl: zmq.Socket, ring: BroadcastReader, core: Any, arena: ShmArena | N
         if stepped:
             done = core.step()
         if done:
-            served = _answer(ctl, done, encoder)
+            served = answers.send(done, encoder)
 
 
 def _control(ring: BroadcastReader, seq: int, data: Any, arena: ShmArena | None) -> bool:
@@ -132,23 +141,37 @@ def _run_batch(ring: BroadcastReader, core: Any, decoder: Any, count: int) -> li
     return done
 
 
-def _answer(ctl: zmq.Socket, done: list, encoder: wire.TensorEncoder | None) -> bool:
-    """From the output rank (``encoder``): "partial" for each stream chunk and "done" for each
-    completion, with its result or error; from another rank only "done" {ok: false} for an
-    error. True when some request completed."""
-    for request_id, result, error in done:
-        if type(result) is Partial:
-            if encoder is not None:
-                ctl.send(wire.pack_message(rp.PARTIAL, request_id, chunk=result.chunk, tensor_encoder=encoder))
-            continue
-        if error is None and encoder is not None:
-            try:
-                reply = wire.pack_message(rp.DONE, request_id, ok=True, result=result, tensor_encoder=encoder)
-            except Exception as exc:  # a result the wire cannot carry fails like the plugin did
-                error = exc
-        if error is not None:
-            reply = wire.pack_message(rp.DONE, request_id, ok=False, **rp.error_fields(error))
-        elif encoder is None:
-            continue  # a non-output rank's completion: nothing to say
-        ctl.send(reply)
-    return True
+class _Answers:
+    """A rank's answers: "partial" and a streamed request's "done" by ``ctl`` (so that a stream's
+    chunks and its end keep their order), any other "done" by ``lane`` when it takes it."""
+
+    def __init__(self, ctl: zmq.Socket, lane: Any) -> None:
+        self._ctl, self._lane = ctl, lane
+        self._streamed: set = set()  # ids of requests that sent a chunk and are not done
+
+    def send(self, done: list, encoder: wire.TensorEncoder | None) -> bool:
+        """From the output rank (``encoder``): "partial" for each stream chunk and "done" for each
+        completion, with its result or error; from another rank only "done" {ok: false} for an
+        error. True when some request completed."""
+        ctl, lane = self._ctl, self._lane
+        for request_id, result, error in done:
+            if type(result) is Partial:
+                if encoder is not None:
+                    self._streamed.add(request_id)
+                    ctl.send(wire.pack_message(rp.PARTIAL, request_id, chunk=result.chunk, tensor_encoder=encoder))
+                continue
+            if error is None and encoder is not None:
+                try:
+                    reply = wire.pack_message(rp.DONE, request_id, ok=True, result=result, tensor_encoder=encoder)
+                except Exception as exc:  # a result the wire cannot carry fails like the plugin did
+                    error = exc
+            if error is not None:
+                reply = wire.pack_message(rp.DONE, request_id, ok=False, **rp.error_fields(error))
+            elif encoder is None:
+                continue  # a non-output rank's completion: nothing to say
+            if request_id in self._streamed:
+                self._streamed.discard(request_id)
+            elif lane is not None and lane.put((reply,)):
+                continue
+            ctl.send(reply)
+        return True

@@ -11,8 +11,9 @@ Leaf module: standard library only (the torch-free client imports it).
                                                          and servers run as SCHED_BATCH threads, more
                                                          requests/s from many clients, longer tails
                                                          next to busy processes (``runtime.transport.zmq_context``)
-    PHYRT_LANE           1                               0: an ipc:// client sends its submits by libzmq
-                                                         only, not by a same-host lane (``runtime.link.lane``)
+    PHYRT_LANE           1                               0: an ipc:// client sends its submits, and a local
+                                                         engine's ranks their answers, by libzmq only, not
+                                                         by a same-host lane (``runtime.link.lane``)
 
 A side's default spin budget was measured on 2-core VMs (``runtime.transport.spin``):
 the server's I/O thread 400 µs, a client caller 300 µs, a local rank 300 µs, an engine

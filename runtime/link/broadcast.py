@@ -17,6 +17,8 @@ Layout: a 4 KiB header: for reader r, ``filled[r]`` at ``2r * SEM_STRIDE``, ``fr
 ``(2r + 1) * SEM_STRIDE``, its ``released`` u64 at ``RELEASED_AT + 64 r``; then the geometry
 (nonce, readers, slots, slot bytes, writer pid) and the ``closing`` flag. The slots follow:
 ``[u64 seq | u32 len | u32 flags | bytes]``, message seq (from 1) in slot ``(seq - 1) % slots``.
+Last, the writer's ``answer_bytes`` (``answers`` on either end): the area of the replica's answer
+lane (``runtime.link.lane.AnswerReader``), which the ring itself never touches.
 
 Invariants:
 - Only the semaphores order memory: the writer fills a slot, then posts; a reader that took the
@@ -110,13 +112,21 @@ class _Ring:
         self._filled = [ctypes.c_void_p(base + 2 * r * SEM_STRIDE) for r in range(readers)]
         self._free = [ctypes.c_void_p(base + (2 * r + 1) * SEM_STRIDE) for r in range(readers)]
         self._stride = _HEAD.size + slot_bytes
+        end = HEADER_BYTES + slots * self._stride
+        #: the bytes past the slots (the replica's answer lane, ``runtime.link.lane``), or None
+        self.answers = memoryview(mm)[end:] if len(mm) > end else None
 
     def _slot(self, seq: int) -> int:
         return HEADER_BYTES + ((seq - 1) % self.slots) * self._stride
 
     def _unmap(self) -> None:
         self._filled = self._free = []
-        self._anchor = None
+        answers, self._anchor, self.answers = self.answers, None, None
+        if answers is not None:
+            try:
+                answers.release()  # whoever still holds it (the answer lane) can no longer use it
+            except BufferError:  # in use this very moment: the mapping goes with the last view
+                pass
         try:
             self._mm.close()
         except BufferError:  # a view is still alive: the mapping goes with it
@@ -126,14 +136,15 @@ class _Ring:
 class BroadcastWriter(_Ring):
     """The engine's end (one per replica): ``write`` never blocks; thread-safe."""
 
-    def __init__(self, run_id: str, readers: int, slots: int = 256, slot_bytes: int = 16 << 10) -> None:
+    def __init__(self, run_id: str, readers: int, slots: int = 256, slot_bytes: int = 16 << 10,
+                 answer_bytes: int = 0) -> None:
         check_run_id(run_id)
         if semaphores() is None:
             raise OSError("the C library has no sem_* functions: the broadcast ring needs them")
         if not 1 <= readers <= MAX_READERS or slots < 1 or slot_bytes < 64 or slot_bytes % 64:
             raise ValueError(f"1..{MAX_READERS} readers, >= 1 slot and a multiple of 64 bytes >= 64 a slot; "
                              f"got {readers}, {slots}, {slot_bytes}")
-        self.name, mm = _create(run_id, HEADER_BYTES + slots * (_HEAD.size + slot_bytes))
+        self.name, mm = _create(run_id, HEADER_BYTES + slots * (_HEAD.size + slot_bytes) + answer_bytes)
         self._linked = True
         self.nonce = secrets.token_bytes(16)
         try:

@@ -34,6 +34,10 @@ Invariants:
   by libzmq after its submit went by the lane finds the submit.
 - A peer that died: the write of the announcement fails (EPIPE), the lane closes, and the
   message goes by libzmq, whose failure path (a lost connection) answers it.
+
+The same ring and pipe carry a local replica's answers, engine side (``AnswerReader``): one ring
+after the slots of the replica's broadcast segment, written by its output rank (``answer_writer``,
+the pipe opened through ``/proc``) and read by whichever engine thread reads the replica's answers.
 """
 
 from __future__ import annotations
@@ -50,13 +54,16 @@ from typing import Any, Sequence
 from runtime.link.client_protocol import lane_header
 from runtime.transport.protocol import byte_view
 
-__all__ = ["LANE_BYTES", "ClientLane", "Doorbell", "ReplyPipe", "Ring", "ServerLane"]
+__all__ = ["ANSWERS_BYTES", "LANE_BYTES", "AnswerReader", "ClientLane", "Doorbell", "ReplyPipe", "Ring",
+           "ServerLane", "answer_writer"]
 
 #: bytes of one ring's data; a message may take at most a quarter of it
 RING_BYTES = 256 << 10
 _HEAD = 64  # head u64, taken u64 (the reader's); tail u64, put u64 (the writer's)
 #: the block of the client's arena that holds both rings
 LANE_BYTES = 2 * (_HEAD + RING_BYTES)
+#: the area of one ring alone: a replica's answers (``AnswerReader``)
+ANSWERS_BYTES = _HEAD + RING_BYTES
 #: a client's requests unread by the server at most; then they go by libzmq
 MAX_UNREAD_REQUESTS = 64
 #: replies unread by the client at most (its reply pipe holds 64 KiB of announcements)
@@ -297,6 +304,38 @@ class ServerLane:
 
     def close(self) -> None:
         self._announcer.close()
+
+
+class AnswerReader:
+    """The engine's end of a replica's answer lane: its output rank's answers through a ring in the
+    replica's broadcast segment (``area``, ``ANSWERS_BYTES``) and a pipe, past libzmq (``workers``
+    sends a request's "done" there, unless it streamed or does not fit). The rank opens ``writer``
+    through ``/proc`` (``answer_writer``); whoever reads the replica's answers polls ``fd``."""
+
+    def __init__(self, area: memoryview) -> None:
+        _ALL.pack_into(area, 0, 0, 0, 0, 0)
+        self._ring = Ring(area, 0, MAX_UNREAD_REPLIES)
+        self._pipe = ReplyPipe()
+        self.fd, self.writer = self._pipe.fd, self._pipe.writer
+
+    def take(self) -> list[bytes]:
+        """The answers announced since the last look, in order (each one frame)."""
+        out = []
+        for _ in range(self._pipe.count()):
+            parts = self._ring.get()
+            if parts is None or len(parts) != 1:
+                raise ValueError("an answer lane message that is not one frame")
+            out.append(parts[0])
+        return out
+
+    def close(self) -> None:
+        self._pipe.close()
+
+
+def answer_writer(area: memoryview, pid: int, fd: int) -> _Announcer:
+    """The output rank's end of its replica's answer lane (``AnswerReader``): ``put([frame])`` is
+    False when the frame goes by libzmq (too large, no room, the engine gone)."""
+    return _Announcer(Ring(area, 0, MAX_UNREAD_REPLIES), open_peer_pipe(pid, fd, os.O_WRONLY | os.O_NONBLOCK), b"\x01")
 
 
 def _close(*fds: int) -> None:
