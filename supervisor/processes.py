@@ -15,9 +15,11 @@ SIGINT (the mask survives fork and exec); ``run_module_main`` sets it to ignored
 Reaping: every rank has one owner, its replica's reaper thread, started once when the replica
 stops serving (a failure, or ``close()``, which joins them all):
 
-    reaper: the failure told (``failed``) -> stop_ranks (SIGTERM, a grace, SIGKILL; it reaps them)
+    reaper: stop_ranks (SIGTERM, a grace, SIGKILL; it reaps them)
             -> release: wait (bounded) for each exit code, close each Process's pipes whatever
                showed, a ReapedProcess in its place; sweep the dead ranks' /dev/shm names -> then()
+            -> a failure (not a close): told to the replica's listeners (``listen``), on this
+               thread (the restart controller rebuilds the replica here)
 
 Invariants:
 - ``release`` is the only code that closes a rank's ``Process``, and closes its pipes whether or
@@ -258,15 +260,22 @@ class Reaping:
         self.threads: list[threading.Thread] = []
         self._run_id = run_id
         self._listeners: dict[int, list[Callable[[], None]]] = {}  # replica -> told once it failed
+        self._told: set[int] = set()  # replicas whose listeners were told
         self._bound_s = 0.0  # the longest a reaper started so far may take
 
-    def listen(self, index: int, callback: Callable[[], None]) -> None:
-        """``callback()`` on the reaper thread of replica ``index`` once it failed (not at close)."""
+    def listen(self, index: int, callback: Callable[[], None]) -> bool:
+        """``callback()`` on the reaper thread of replica ``index`` once it failed (not at close), after
+        its ranks were stopped and released; False (and never called) when its listeners were told
+        already."""
         with self.lock:
+            if index in self._told:
+                return False
             self._listeners.setdefault(index, []).append(callback)
+        return True
 
     def _tell_failed(self, index: int) -> None:
         with self.lock:
+            self._told.add(index)
             callbacks = self._listeners.pop(index, [])
         for callback in callbacks:
             try:
@@ -285,9 +294,10 @@ class Reaping:
         reaper.start()
 
     def join_all(self) -> None:
-        """Wait for every reaper (close()); each is bounded, so this is too."""
+        """Wait for every other reaper (close(), which a listener may call on its reaper); each
+        stops its ranks within a bound, so this is bounded too."""
         with self.lock:
-            reapers, bound = list(self.threads), self._bound_s + 5.0
+            reapers, bound = [t for t in self.threads if t is not threading.current_thread()], self._bound_s + 5.0
         deadline = time.monotonic() + bound
         for reaper in reapers:
             reaper.join(max(0.0, deadline - time.monotonic()))
@@ -296,14 +306,14 @@ class Reaping:
 
     def _reap(self, index: int, ranks: list[RankState], polite: bool, then: Callable[[], None]) -> None:
         try:
-            if not polite:
-                self._tell_failed(index)
-        finally:  # whatever happens above, the ranks are stopped and released
+            stop_ranks([r.process for r in ranks], polite=polite)
+        finally:  # whatever happens above, the ranks are released, then a failure is told
             try:
-                stop_ranks([r.process for r in ranks], polite=polite)
-            finally:
                 self.release(ranks)
                 then()
+            finally:
+                if not polite:
+                    self._tell_failed(index)
 
     def release(self, ranks: list[RankState]) -> None:
         """Close the ``Process`` of each stopped rank, waiting up to ``EXIT_CODE_WAIT_S`` for its

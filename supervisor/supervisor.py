@@ -148,11 +148,12 @@ class WorkerSupervisor:
         """Rank 0's runner info as its latest heartbeat carrying one had it; None until one came."""
         return self._replicas[replica].info
 
-    def on_group_failure(self, replica: int, callback: Callable[[], None]) -> None:
+    def on_group_failure(self, replica: int, callback: Callable[[], None]) -> bool:
         """``callback()`` once ``replica``'s group fails (not at close), on its reaper thread after its
-        futures failed, holding no lock of ours. One registered after its group failed is not
-        called: look at ``group_error`` after registering."""
-        self._reaping.listen(replica, callback)
+        futures failed and its ranks were stopped and released, holding no lock of ours (it may take
+        long: the restart controller rebuilds the replica there, and may close this supervisor).
+        False, and never called, when the group's failure was told already."""
+        return self._reaping.listen(replica, callback)
 
     def start_call(self, replica: int, request: Any, then: Callable[[], None] | None = None,
                    priority: int = 0) -> Slot:

@@ -47,8 +47,11 @@ class StandInSupervisor:
     def queue_stats(self, group: int) -> dict | None:
         return None
 
-    def on_group_failure(self, group: int, callback) -> None:
+    def on_group_failure(self, group: int, callback) -> bool:
+        if self.failed[group] is not None:  # told already: too late
+            return False
         self.listeners.setdefault(group, []).append(callback)
+        return True
 
     def fail(self, group: int, reason: str) -> None:
         """As a group failing does: the flag, then (on a thread of its own) its listeners."""
@@ -190,6 +193,45 @@ def test_close_cuts_a_backoff_short_and_closes_a_start_that_ends_after_it():
     closer.join(5)
     assert not closer.is_alive() and late[0].closed.is_set()  # ... then closes it at once
     assert dispatcher.executors[0].supervisor is shared  # it never served
+
+
+def test_a_replica_that_failed_before_the_controller_listened_is_rebuilt_before_it_returns():
+    built: list[StandInSupervisor] = []
+
+    def start(index: int, cancel=None):
+        built.append(StandInSupervisor(1))
+        return MultiprocessExecutor(built[-1], index, (index,), group=0)
+
+    shared = StandInSupervisor(1)
+    dispatcher = RequestDispatcher([MultiprocessExecutor(shared, 0, (0,))])
+    shared.fail(0, "rank 0 exited right after its start")  # its failure was told to nobody
+    controller = RestartController(dispatcher, start, 1, 0.01, startup_timeout_s=5.0)
+    try:
+        status = controller.statuses()[0]  # handled by the constructor's thread: no callback would come
+        assert (status.healthy, status.restarts, len(built)) == (True, 1, 1)
+        assert shared.closed.is_set()  # its supervisor served no other replica
+    finally:
+        close_stand_in(dispatcher, controller)
+
+
+def test_a_replacement_dead_on_arrival_is_rebuilt_again_by_the_same_thread():
+    built: list[StandInSupervisor] = []
+
+    def start(index: int, cancel=None):
+        built.append(StandInSupervisor(1))
+        if len(built) == 1:  # failed before it could be listened to: its callback never comes
+            built[0].failed[0] = "rank 0 exited during the swap"
+        return MultiprocessExecutor(built[-1], index, (index,), group=0)
+
+    shared, dispatcher, controller = stand_in_engine(1, start, max_restarts=2, backoff=0.01)
+    try:
+        shared.fail(0, "rank 0 exited with SIGKILL")
+        assert wait_until(lambda: controller.statuses()[0].healthy, 5)
+        assert (controller.statuses()[0].restarts, len(built)) == (2, 2)
+        assert built[0].closed.wait(5) and not built[1].closed.is_set()
+        assert dispatcher.executors[0].supervisor is built[1]
+    finally:
+        close_stand_in(dispatcher, controller)
 
 
 # --------------------------------------------------------------------------- real engines

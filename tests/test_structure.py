@@ -109,6 +109,21 @@ def test_architecture_states_the_limits_and_the_layers_these_tests_enforce():
     assert named - rows == set()
 
 
+def test_architecture_counts_the_thread_sites_and_names_each_thread(modules):
+    """Section 3 says how many ``threading.Thread(`` sites the product has (issue 33 wants 10 at most)
+    and names each thread a site starts, so that a new thread cannot come in unsaid."""
+    section = _section(ARCHITECTURE.read_text(), "Processes and threads")
+    stated = re.search(r"There are (\d+) `threading\.Thread\(` sites", section)
+    assert stated, "ARCHITECTURE.md section 3 does not say how many thread sites there are"
+    assert int(stated.group(1)) == sum(m.threads for m in modules.values())
+    names = set()
+    for m in modules.values():
+        for call in re.findall(r"threading\.Thread\((.*?)\)\s*$", m.path.read_text(), re.M | re.S):
+            names.update(re.findall(r"name=f?[\"'](phyrt-[a-z-]+)", call))
+    assert len(names) >= 8  # the literal names (LinkThread and SpawnThread take theirs as an argument)
+    assert {n for n in names if f"`{n}" not in section} == set()
+
+
 def test_bench_and_examples_use_public_names_only():
     """No ``obj._private`` of a product object and no ``from x import _private`` in bench/ or examples/."""
     own = {"self", "cls"}

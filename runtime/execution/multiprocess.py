@@ -10,7 +10,7 @@ its group:
 
 Health is the supervisor's word on the group (plus this executor's own "closed"), so
 nothing has to be told when a group fails; ``on_failure`` tells a listener (the restart
-controller) at once. ``close`` closes the supervisor
+controller) on the group's reaper thread, once its ranks are gone. ``close`` closes the supervisor
 (idempotent there; a shared one stops every replica it holds).
 """
 
@@ -51,10 +51,11 @@ class MultiprocessExecutor(ReplicaExecutor):
     def queue_stats(self) -> dict | None:
         return self._supervisor.queue_stats(self._group)
 
-    def on_failure(self, callback: Any) -> None:
-        """``callback()`` once this replica's group fails, on the supervisor's reaper thread (never
-        at close); one registered after the failure is not called: look at ``healthy`` then."""
-        self._supervisor.on_group_failure(self._group, callback)
+    def on_failure(self, callback: Any) -> bool:
+        """``callback()`` once this replica's group fails, on the supervisor's reaper thread once its
+        ranks are gone (never at close); False, and never called, when it was too late (the
+        failure was told already)."""
+        return self._supervisor.on_group_failure(self._group, callback)
 
     def start_call(self, request: Any, priority: int = 0) -> Any:
         """``Engine.step``: the calling thread reads its own answer when nobody else reads."""

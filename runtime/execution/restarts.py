@@ -1,13 +1,14 @@
 """RestartController: rebuilds the local replicas whose worker group failed
 (``DeploymentConfig.replica_restarts``).
 
-    the failed group's reaper thread (the executor's ``on_failure`` callback), and every status read:
+    every status read, and the failed group's reaper thread (the executor's ``on_failure``
+    callback, once the group's ranks are stopped and released): noticed
       a replica's executor turned unhealthy (its group failed: a rank exited, a heartbeat
       or an execution timeout, a malformed message, a plugin error)
-        attempts left -> restarting; WARNING with the cause; a rebuild thread
+        attempts left -> restarting; WARNING with the cause
         none left     -> given up; ERROR
-    a thread per failed executor
-      close the failed supervisor when no other replica uses it
+    the reaper thread then handles it (renamed phyrt-rebuild-N meanwhile; no thread of its own)
+      close the failed supervisor when no other replica uses it (joining every reaper but this one)
       wait restart_backoff_s * 2**(k-1) (at most 60 s; close() cuts the wait short)
       start(index): a new WorkerSupervisor for this replica alone, as group 0 of it
         failed start -> the next attempt (it counted), or given up
@@ -22,12 +23,16 @@ Invariants:
 - A replica's record (``restarts``, ``restarting``, ``cause``) and the swap of
   its executor change under ``_lock``; ``statuses()`` reads the executors under it too, so
   no reader sees a replica between "restarting" and "serving".
-- Each failed executor is handled once (``_Replica.failed``); a rebuilt one that fails
-  later is a new failure of the same replica, counted against the same budget.
-- Each executor is listened to before it serves (at the start, or before it is swapped in) and
-  looked at once after: a failure before the callback was in place is noticed then.
+- Each failed executor is noticed once (``_Replica.failed``) and handled once (``_Replica.handled``),
+  by the first thread to reach it; a rebuilt one that fails later is a new failure of the same
+  replica, counted against the same budget.
+- Each executor is listened to before it serves (at the start, or before it is swapped in). One that
+  failed too early for its callback (``on_failure`` says so) is handled by the listening thread:
+  the engine's at the start (its constructor waits for the rebuild), the rebuilding one at a swap.
+  So the ranks of a failed group are gone before its replacement starts.
 - ``stop()`` (the engine's close, before the dispatcher closes) ends every
-  backoff and makes later callbacks no-ops; ``join()`` (after it) waits for the rebuild threads: a start under way sees the
+  backoff and makes later callbacks no-ops; ``join()`` (after it) waits for the threads handling a
+  failure: a start under way sees the
   stop event within ``supervisor.boot.CANCEL_POLL_S`` and closes what it started; a
   supervisor whose start ends after ``stop()`` anyway is closed by its thread at once and
   never swapped in. The dispatcher closes the executors
@@ -83,7 +88,9 @@ class _Replica:
     restarts: int = 0  # rebuilds begun
     restarting: bool = False
     cause: str | None = None  # the last failure's cause while the replica does not serve
-    failed: ReplicaExecutor | None = None  # the failed executor being handled
+    failed: ReplicaExecutor | None = None  # the last failed executor noticed
+    rebuild: bool = False  # whether it is to be rebuilt (decided when noticed)
+    handled: ReplicaExecutor | None = None  # the last failed executor whose handling began
 
 
 class RestartController:
@@ -99,12 +106,10 @@ class RestartController:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._replicas = {e.index: _Replica() for e in dispatcher.executors}
-        self._threads: list[threading.Thread] = []
-        for executor in dispatcher.executors:
-            self._listen(executor)
-        with self._lock:
-            for executor in dispatcher.executors:
-                self._notice(executor.index)  # failed before its callback was in place
+        self._handlers: list[threading.Thread] = []  # threads handling a failure now
+        late = [e.index for e in dispatcher.executors if not self._listen(e)]
+        for index in late:  # failed before its callback was in place: rebuilt here, now
+            self._failed(index)
 
     # -- reading ---------------------------------------------------------------------
 
@@ -127,33 +132,53 @@ class RestartController:
 
     # -- noticing a failure ------------------------------------------------------------
 
-    def _listen(self, executor: ReplicaExecutor) -> None:
-        """Hear of ``executor``'s failure as it happens (its group's reaper thread calls back)."""
+    def _listen(self, executor: ReplicaExecutor) -> bool:
+        """Hear of ``executor``'s failure once its group's ranks are gone (its reaper thread calls
+        ``_failed``); False when it failed too early for that (the caller handles it)."""
         if isinstance(executor, MultiprocessExecutor):
-            executor.on_failure(lambda index=executor.index: self._failed(index))
+            return executor.on_failure(lambda index=executor.index: self._failed(index))
+        return True
 
     def _failed(self, index: int) -> None:
-        with self._lock:
-            self._notice(index)
+        """Handle replica ``index``'s failure on this thread (the failed group's reaper, or a thread
+        that listened too late), and a replacement's that failed before it could be listened to."""
+        me = threading.current_thread()
+        name = me.name
+        try:
+            while True:
+                with self._lock:
+                    self._notice(index)
+                    state = self._replicas[index]
+                    failed = state.failed
+                    if self._stop.is_set() or failed is None or state.handled is failed:
+                        return
+                    state.handled = failed
+                    if me not in self._handlers:
+                        self._handlers.append(me)
+                me.name = f"phyrt-rebuild-{index}"
+                if not self._handle(index, failed, state.rebuild):
+                    return
+        finally:
+            me.name = name
+            with self._lock:
+                if me in self._handlers:
+                    self._handlers.remove(me)
 
     def _notice(self, index: int) -> None:
-        """Under ``_lock``: handle replica ``index``'s executor if it failed and is new to us."""
+        """Under ``_lock``: count replica ``index``'s failure if its executor failed and is new to us
+        (a status read, or the thread that will handle it)."""
         executor = self._executor(index)
         state = self._replicas[index]
         if self._stop.is_set() or executor is None or state.failed is executor or executor.healthy:
             return
         state.failed = executor
         state.cause = executor.error
-        rebuild = state.restarts < self._max_restarts
-        if rebuild:
+        state.rebuild = state.restarts < self._max_restarts
+        if state.rebuild:
             state.restarts += 1
             state.restarting = True
         else:
             self._give_up(index, state)
-        thread = threading.Thread(target=self._handle, args=(index, executor, rebuild),
-                                  name=f"phyrt-rebuild-{index}", daemon=True)
-        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-        thread.start()
 
     def _executor(self, index: int) -> ReplicaExecutor | None:
         for executor in self._dispatcher.executors:
@@ -168,14 +193,14 @@ class RestartController:
 
     # -- rebuilding --------------------------------------------------------------------
 
-    def _handle(self, index: int, failed: ReplicaExecutor, rebuild: bool) -> None:
-        """One failed executor: release its supervisor when unshared, then rebuild the replica."""
+    def _handle(self, index: int, failed: ReplicaExecutor, rebuild: bool) -> bool:
+        """One failed executor: release its supervisor when unshared, then rebuild the replica; True
+        when the replacement failed before it could be listened to (the caller handles it next)."""
         self._release_if_unused(failed)
-        if rebuild:
-            self._rebuild(index)
+        return rebuild and self._rebuild(index)
 
-    def _rebuild(self, index: int) -> None:
-        """Attempts until one starts, the budget is spent, or close()."""
+    def _rebuild(self, index: int) -> bool:
+        """Attempts until one starts, the budget is spent, or close(); True as ``_handle``."""
         state = self._replicas[index]
         while True:
             with self._lock:
@@ -192,17 +217,21 @@ class RestartController:
                     state.cause = f"rebuild {attempt} failed to start: {exc}"
                     if state.restarts >= self._max_restarts:
                         self._give_up(index, state)
-                        return
+                        return False
                     state.restarts += 1
                 continue
-            if self._swap_in(index, state, executor, attempt):
-                return
+            failed = self._swap_in(index, state, executor, attempt)
+            if failed is not None:
+                return failed
             break
         with self._lock:  # closed
             state.restarting = False
+        return False
 
-    def _swap_in(self, index: int, state: _Replica, executor: MultiprocessExecutor, attempt: int) -> bool:
-        """Put the started ``executor`` in service; False (and closed) when the engine closes."""
+    def _swap_in(self, index: int, state: _Replica, executor: MultiprocessExecutor, attempt: int) -> bool | None:
+        """Put the started ``executor`` in service; None (and closed) when the engine closes, else
+        whether it failed already (before its callback was in place, or while it was not yet in
+        service: its callback found the old executor, so the caller handles this failure)."""
         self._listen(executor)
         with self._lock:
             old = None if self._stop.is_set() else self._dispatcher.replace(index, executor)
@@ -210,12 +239,13 @@ class RestartController:
                 state.restarting = False
                 state.cause = None
                 self._notice(index)  # it failed between its start and now
+                failed = state.failed is executor
         if old is None:  # closed meanwhile: this supervisor never serves
             executor.close()
-            return False
+            return None
         log.warning("replica %d serves again (rebuild %d)", index, attempt)
         self._release_if_unused(old)
-        return True
+        return failed
 
     def _release_if_unused(self, failed: ReplicaExecutor) -> None:
         """Close ``failed``'s supervisor when no executor in the dispatcher uses it (a shared
@@ -240,10 +270,10 @@ class RestartController:
             self._stop.set()
 
     def join(self) -> None:
-        """After ``stop()``: wait for the rebuild threads; a start under way sees the stop event and
-        abandons itself, closing what it started."""
+        """After ``stop()``: wait for the threads handling a failure (reapers); a start under way sees
+        the stop event and abandons itself, closing what it started."""
         with self._lock:
-            threads = list(self._threads)
+            threads = [t for t in self._handlers if t is not threading.current_thread()]
         for thread in threads:
             thread.join(self._join_s)
             if thread.is_alive():
