@@ -3,7 +3,7 @@
     supervisor                                         rank process (workers.main.main(boot))
     create the replica's broadcast ring (runtime.link.broadcast), its name in the boot message;
     in its segment the answer lane's ring, whose pipe rank 0 opens (runtime.link.lane)
-    SpawnThread: Process(spawn).start(boot msgpack) -> prctl(PDEATHSIG), SIGINT ignored, name;
+    link thread: Process(spawn).start(boot msgpack) -> prctl(PDEATHSIG), SIGINT ignored, name;
                                                        connect ctl DEALER
                                                        "c-R-r", hb DEALER "h-R-r";
                                                        process group, plugin build, map the ring
@@ -51,7 +51,7 @@ from runtime.transport import wire
 from runtime.transport.arena import ShmArena, ShmMapper
 from runtime.transport.shm_names import unlink_quiet
 from runtime.transport.spin import usable_cores
-from supervisor.processes import RankState, SpawnThread, run_module_main
+from supervisor.processes import RankState, run_module_main, start_rank
 from supervisor.replica import Pending, Replica, ResultMapper
 
 log = logging.getLogger("phyrt.supervisor")
@@ -137,11 +137,13 @@ class Startup:
 
 
 class Launcher:
-    """Starts the ranks of every replica into ``replicas`` (from the ``SpawnThread``)."""
+    """Starts the ranks of every replica into ``replicas``, each from the thread that outlives them
+    (``on_thread``: the supervisor's ``LinkThread.call``; ``processes.start_rank``)."""
 
-    def __init__(self, run_id: str, run_dir: str, mapper: ShmMapper, spawner: SpawnThread) -> None:
+    def __init__(self, run_id: str, run_dir: str, mapper: ShmMapper,
+                 on_thread: Callable[[Callable[[], Any]], Any]) -> None:
         self._run_id, self._run_dir = run_id, run_dir
-        self._mapper, self._spawner = mapper, spawner
+        self._mapper, self._on_thread = mapper, on_thread
 
     def spawn(self, replicas: list[Replica], args: EngineArgs, plugin_spec: str,
               placement: list[tuple[int, ...]], config: WorkerSupervisorConfig, target: str,
@@ -198,7 +200,7 @@ class Launcher:
         process = multiprocessing.get_context("spawn").Process(
             target=run_module_main, args=(WORKER_MODULE, boot), name=f"phyrt-r{common['replica_index']}-{rank}",
             daemon=True)
-        self._spawner.call(process.start)
+        self._on_thread(functools.partial(start_rank, process.start))
         group.ranks.append(RankState(replica, rank, device, process, decoder=decoder))  # its reaper's from here
 
 

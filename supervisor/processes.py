@@ -4,13 +4,14 @@ their pipes closed). Standard library, ``runtime.transport.shm_names`` and
 ``runtime.link.rank_protocol`` only: a rank imports this module (``run_module_main``) before
 anything heavy.
 
-Why ranks are started from a ``SpawnThread``: a rank must die within moments of its engine's
-SIGKILL whatever it is doing, so it asks the kernel for it (``prctl(PR_SET_PDEATHSIG, SIGKILL)``,
-first thing, ``run_module_main``). The kernel's "parent" there is the *thread* that forked the rank
-(the signal comes when that thread exits), and the engine may be built from a short-lived thread:
-every rank is started from a thread of the supervisor's own that does nothing else and lives until
-``close()`` has reaped the ranks. Ranks never see the terminal's Ctrl-C: the ``SpawnThread`` blocks
-SIGINT (the mask survives fork and exec); ``run_module_main`` sets it to ignored, then unblocks it.
+Why ranks are started from the supervisor's link thread (``start_rank`` through ``LinkThread.call``):
+a rank must die within moments of its engine's SIGKILL whatever it is doing, so it asks the kernel
+for it (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, first thing, ``run_module_main``). The kernel's
+"parent" there is the *thread* that forked the rank (the signal comes when that thread exits), and
+the engine may be built from a short-lived thread: every rank is started from a thread of the
+supervisor's own that lives until ``close()`` has reaped the ranks. Ranks never see the terminal's
+Ctrl-C: ``start_rank`` blocks SIGINT in that thread (the mask survives fork and exec);
+``run_module_main`` sets it to ignored, then unblocks it.
 
 Reaping: every rank has one owner, its replica's reaper thread, started once when the replica
 stops serving (a failure, or ``close()``, which joins them all):
@@ -38,11 +39,9 @@ import multiprocessing
 from multiprocessing import resource_tracker
 import multiprocessing.connection
 import os
-import queue
 import signal
 import threading
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -134,10 +133,11 @@ def die_with_parent() -> None:
     ``prctl(PR_SET_PDEATHSIG, SIGKILL)``: the kernel kills this process the moment its parent
     goes, even while its main thread holds the GIL in a long C call (a Python thread watching
     the parent could not run then). The kernel's "parent" is the thread that forked the rank,
-    hence ``SpawnThread``. A parent that died before the ``prctl`` took effect is caught by
-    comparing ``getppid()`` with the parent's pid. Where ``prctl`` is unavailable, the rank's
-    heartbeat thread is the fallback: it exits the rank (``ORPHAN_EXIT``) at the first beat after its
-    parent pid changed (``workers.main``), a heartbeat interval after the engine's death at most.
+    hence ``start_rank`` on the supervisor's link thread. A parent that died before the ``prctl``
+    took effect is caught by comparing ``getppid()`` with the parent's pid. Where ``prctl`` is
+    unavailable, the rank's heartbeat thread is the fallback: it exits the rank (``ORPHAN_EXIT``) at
+    the first beat after its parent pid changed (``workers.main``), a heartbeat interval after the
+    engine's death at most.
     """
     parent = multiprocessing.parent_process()
     if parent is None:
@@ -154,48 +154,16 @@ def die_with_parent() -> None:
         log.warning("no prctl(PR_SET_PDEATHSIG) here: this rank notices its engine's death by its heartbeat")
 
 
-class SpawnThread:
-    """The thread that starts the ranks and outlives them (see the module docstring).
-
-    ``call(fn)`` runs ``fn`` on this thread and returns its result or raises its
-    exception; ``stop()`` ends the thread, and must come only after the ranks it
-    started are gone (any still alive then get SIGKILL from the kernel).
-    """
-
-    def __init__(self, name: str) -> None:
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self._calls.get()
-            if item is None:
-                return
-            fn, future = item
-            # inherited by every rank started here (module docstring). multiprocessing's
-            # resource tracker, started by a process's first spawn, unblocks SIGINT in the
-            # thread that starts it, before the fork: start it first, then block (each call)
-            if hasattr(signal, "pthread_sigmask"):
-                resource_tracker.ensure_running()
-                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-            try:
-                future.set_result(fn())
-            except BaseException as exc:
-                future.set_exception(exc)
-            del item, fn, future  # hold no process between calls
-
-    def call(self, fn: Callable[[], Any]) -> Any:
-        if not self._thread.is_alive():
-            raise RuntimeError("the spawn thread is stopped")
-        future: Future = Future()
-        self._calls.put((fn, future))
-        return future.result()
-
-    def stop(self) -> None:
-        self._calls.put(None)
-        if self._thread is not threading.current_thread():
-            self._thread.join(5)
+def start_rank(start: Callable[[], Any]) -> Any:
+    """``start()`` (a rank's ``Process.start``) with SIGINT blocked in the calling thread, which the
+    rank inherits (see the module docstring): call it on the thread that outlives the ranks, the
+    supervisor's link thread (``LinkThread.call``). multiprocessing's resource tracker, started by a
+    process's first spawn, unblocks SIGINT in the thread that starts it, before its fork: it is
+    started first, then SIGINT blocked."""
+    if hasattr(signal, "pthread_sigmask"):
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    return start()
 
 
 def exit_code(process: Any, wait_s: float = 0.0) -> int | None:

@@ -10,7 +10,7 @@
     a failure anywhere --> _fail(replica), once --> its futures fail, its reaper stops its ranks
 
     boot.py  spawn and the ready handshake       replica.py   one replica: requests, answers, blocks
-    processes.py  the OS side: spawn thread, reapers, blame
+    processes.py  the OS side: start_rank (on the link thread), reapers, blame
 
 The watch is an end of a ``runtime.link.link_thread.LinkThread`` (this class: ``tick``,
 ``poll_items``, ``after_poll``, ``broken``, ``shut``): heartbeats are watched whoever reads the
@@ -54,7 +54,7 @@ from runtime.transport.owners import sweep_run_dirs
 from runtime.transport.reader import ReaderRole
 from runtime.transport.spin import Spinner, budget_ns, usable_cores
 from supervisor.boot import Answers, Launcher, Startup
-from supervisor.processes import RankState, Reaping, SpawnThread
+from supervisor.processes import RankState, Reaping
 from supervisor.replica import Replica, fail_futures
 
 log = logging.getLogger("phyrt.supervisor")
@@ -100,7 +100,6 @@ class WorkerSupervisor:
         self._next_check = 0.0
         self.wake_at = 0.0  # when the link thread next wakes by itself (monotonic)
         self._reading = False
-        self._spawner = SpawnThread(f"phyrt-spawn-{self.run_id}")  # ranks die with it (PDEATHSIG)
         success = False
         try:
             self._start(args, plugin_spec, placement, target, first_replica, cancel)
@@ -114,7 +113,8 @@ class WorkerSupervisor:
         self._router = self._socket(zmq.ROUTER, self.address)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._hb = self._socket(zmq.ROUTER, f"ipc://{self.run_dir}/hb")
-        Launcher(self.run_id, self.run_dir, self._mapper, self._spawner).spawn(
+        self._link.start()  # the ranks are forked from it, and die with it (PDEATHSIG): it outlives them
+        Launcher(self.run_id, self.run_dir, self._mapper, self._link.call).spawn(
             self._replicas, args, plugin_spec, placement, self.config, target, self.worker_spin_ns, first_replica)
         replicas = tuple(self._replicas)
         self._startup = Startup(replicas, self._mapper, self.config.startup_timeout_s, cancel)
@@ -124,7 +124,6 @@ class WorkerSupervisor:
         self._sentinels = {os.dup(r.process.sentinel): r for g in replicas for r in g.ranks}
         self._started = time.monotonic()
         self._link.add(self)
-        self._link.start()
         self._startup.wait()
 
     def _socket(self, kind: int, address: str) -> zmq.Socket:
@@ -193,7 +192,9 @@ class WorkerSupervisor:
         return self._replicas[replica].lend(shape, dtype)
 
     def _answers_due(self) -> bool:
-        """Under the role's lock (``ReaderRole.awaiting``): whether answers are due on the ctl ROUTER."""
+        """Under the role's lock (``ReaderRole.awaiting``): whether answers are due (none once closed)."""
+        if self._closed:
+            return False
         return not self._startup.done or any(len(g.pending.table) for g in self._replicas if g.failed is None)
 
     # -- failing -------------------------------------------------------------------------
@@ -319,9 +320,6 @@ class WorkerSupervisor:
                 return
             self._closed = True
         self._role.close()  # nobody takes the reader role from now on; a reading caller is woken
-        if not self._link.stop():
-            log.error("the supervisor's link thread did not stop")
-        self._close_sentinels()  # (the thread's, when it never ran)
         serving = []
         for group in self._replicas:  # pending futures fail first: a caller reading gives the role up
             was_serving, taken = group.close(CLOSED)
@@ -334,7 +332,10 @@ class WorkerSupervisor:
             group.send_shutdown()
             self._reaping.stop(group.index, group.ranks, True, functools.partial(_close_ring, group))
         self._reaping.join_all()
-        self._spawner.stop()  # only now: its end SIGKILLs any rank it started
+        # only now: the ranks were forked from the link thread, so its end SIGKILLs any still alive
+        if not self._link.stop():
+            log.error("the supervisor's link thread did not stop")
+        self._close_sentinels()  # (the thread's, when it never ran)
         self._release_resources()
 
     def _release_resources(self) -> None:

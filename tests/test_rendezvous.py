@@ -3,6 +3,7 @@ the terminal's Ctrl-C does not reach (``supervisor.processes``, ``workers.main``
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import signal
@@ -15,7 +16,8 @@ import pytest
 
 from runtime import DeploymentConfig, Engine, WorkerSupervisorConfig
 from runtime.core.errors import WorkerStartupError
-from supervisor.processes import SpawnThread
+from runtime.link.link_thread import LinkThread
+from supervisor.processes import start_rank
 from tests import conftest
 from tests.conftest import (close_engine, engine_args, free_base_port, group_pids, leftovers, pid_alive,
                             supervisor_of, tp_parallel)
@@ -109,19 +111,37 @@ def _exit_with_sigint_blocked() -> None:
     os._exit(0 if signal.SIGINT in blocked else 3)
 
 
-def test_processes_started_from_the_spawn_thread_start_with_sigint_blocked():
-    spawner = SpawnThread("phyrt-spawn-test")
+def test_ranks_started_on_the_link_thread_start_with_sigint_blocked():
+    link = LinkThread("phyrt-supervisor-test")
+    link.start()
     process = multiprocessing.get_context("spawn").Process(target=_exit_with_sigint_blocked, daemon=True)
     try:
-        spawner.call(process.start)
+        link.call(functools.partial(start_rank, process.start))
         process.join(60)
         assert process.exitcode == 0
     finally:
         if process.is_alive():
             process.kill()
             process.join(5)
-        spawner.stop()
+        assert link.stop()
+        link.dispose()
     assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the caller's mask is untouched
+
+
+def test_a_link_thread_call_returns_or_raises_there_and_fails_once_the_thread_ended():
+    link = LinkThread("phyrt-call-test")
+    link.start()
+    try:
+        assert link.call(threading.current_thread) is link.thread  # it ran there
+        assert link.call(lambda: link.call(lambda: 5)) == 5  # a call from the thread itself runs at once
+        with pytest.raises(ZeroDivisionError):
+            link.call(lambda: 1 / 0)
+        assert link.call(lambda: "still serving") == "still serving"
+    finally:
+        assert link.stop()
+        link.dispose()
+    with pytest.raises(RuntimeError, match="has ended"):
+        link.call(lambda: 1)
 
 
 def test_a_failed_start_without_base_port_leaves_nothing(record_runs):

@@ -15,14 +15,18 @@ end asks for this turn, beside its own wake pipe, and runs the ends' timers:
 An end provides ``tick(now) -> float``, ``poll_items()``, ``after_poll()``, ``broken(exc)`` and
 ``shut()``. Invariants: only this thread calls them; ``wake()`` (any thread) makes it look again
 at once; ``after_poll`` runs even when a handler raised, so no end keeps what it took for the poll.
+``call(fn)`` runs ``fn`` on this thread between two turns (the supervisor forks its ranks here, so
+that they die with this thread: ``supervisor.processes``); once the thread ended it raises.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, Callable
 
 import zmq
 
@@ -44,6 +48,9 @@ class LinkThread:
         self._pipe = WakePipe()
         self._ends: list[Any] = []
         self._stopping = False
+        self._calls: collections.deque = collections.deque()  # (fn, Future) to run between turns
+        self._calls_lock = threading.Lock()
+        self._ended = False  # under _calls_lock: no call runs any more
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def add(self, end: Any) -> None:
@@ -57,6 +64,19 @@ class LinkThread:
     def wake(self) -> None:
         """Look again now (a no-op once disposed)."""
         self._pipe.wake()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` run on this thread (it must be started); its result, or its exception raised here.
+        RuntimeError once the thread ended (or ends before running it)."""
+        if threading.current_thread() is self.thread:
+            return fn()
+        future: Future = Future()
+        with self._calls_lock:
+            if self._ended:
+                raise RuntimeError(f"the link thread {self.thread.name} has ended")
+            self._calls.append((fn, future))
+        self._pipe.wake()
+        return future.result()
 
     def stop(self, timeout: float = 10.0) -> bool:
         """End the loop (each end is shut on the way out) and wait for it; whether it has ended."""
@@ -73,14 +93,32 @@ class LinkThread:
     def _run(self) -> None:
         try:
             while not self._stopping:
+                self._run_calls()
                 self._turn()
         except BaseException as exc:  # a bug here must not leave the ends' callers waiting forever
             log.exception("the link thread %s failed", self.thread.name)
             for end in self._ends:
                 end.broken(exc)
         finally:
+            with self._calls_lock:
+                self._ended = True
+            self._run_calls(RuntimeError(f"the link thread {self.thread.name} has ended"))
             for end in self._ends:
                 end.shut()
+
+    def _run_calls(self, ended: BaseException | None = None) -> None:
+        """Run the calls queued (or, once ended, fail them with ``ended``)."""
+        calls = self._calls
+        while calls:
+            fn, future = calls.popleft()
+            if ended is not None:
+                future.set_exception(ended)
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # the caller's to raise
+                future.set_exception(exc)
+            del fn, future  # hold nothing between calls
 
     def _turn(self) -> None:
         pipe = self._pipe
