@@ -13,7 +13,8 @@ memory), ``runtime.transport.protocol`` and ``runtime.core.errors`` of the proje
       stream  -> as submit, then engine.submit_stream: Replies.chunk sends each chunk from the
                  engine's thread, Replies.on_done the last (``final``); cancel, a deadline or a
                  chunk the client does not take cancel it (the runner frees what it holds)
-      cancel, ping, info, register, release -> answered here (release: no reply)
+      cancel, ping, info, register, release -> answered here (release: no reply; info:
+                 ``runtime.serving.description``)
       a malformed message -> an InvalidRequest reply; a refused one -> its typed error reply
     settle()        the I/O thread's share of the replies (Replies.settle)
     housekeeping()  shared memory of silent clients dropped; rejected messages logged
@@ -39,24 +40,21 @@ from __future__ import annotations
 
 import functools
 import logging
-import platform
 import secrets
 import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import msgpack
-import numpy as np
-import torch
 import zmq
 
 from runtime.core.errors import EngineUnavailableError, ProtocolError
-from runtime.link.client_protocol import (HEADER_FIELDS, OP_FIELDS, PROTOCOL_VERSION, cancel_result, lane_fields,
+from runtime.link.client_protocol import (HEADER_FIELDS, OP_FIELDS, cancel_result, lane_fields,
                                           no_frames, ping_result, register_fields, register_result, release_blocks,
                                           submit_options)
 from runtime.link.listener import Responder
 from runtime.link.peer_shm import ClientShm, ShmClientsFull
+from runtime.serving.description import describe
 from runtime.serving.metrics import NullMetrics
 from runtime.serving.outcomes import Rejected, Replies, Request, clip, request_tensor
 from runtime.transport.protocol import MAX_TENSOR_FRAMES, TensorResolver, is_request_id, unpack_header
@@ -343,25 +341,10 @@ class MessageHandler:
         client.release(keys, mapped=True)
 
     def info(self) -> dict[str, Any]:
-        """What ``info`` answers: plugin, topology, replicas, versions, limits."""
-        engine = self._engine
-        return {
-            "server_id": self.server_id,
-            "address": self.address,
-            "plugin": engine.args.plugin,
-            "mode": engine.mode,
-            "replica_count": len(engine.replicas),
-            "ranks_per_replica": engine.ranks_per_replica,
-            "replicas": [{"index": r.index, "healthy": r.healthy, "inflight": r.inflight,
-                          "devices": list(r.devices), "error": r.error, "restarts": r.restarts,
-                          "restarting": r.restarting, "plugin_info": r.plugin_info} for r in engine.replicas],
-            "inflight": len(self.requests),
-            "max_inflight": self._options.max_inflight,
-            "accepting": self.accepting,
-            "shm": self._ipc,
-            "versions": _versions(),
-            **self._options.info,
-        }
+        """What ``info`` answers (``runtime.serving.description``)."""
+        return describe(self._engine, {"server_id": self.server_id, "address": self.address},
+                        {"inflight": len(self.requests), "max_inflight": self._options.max_inflight,
+                         "accepting": self.accepting, "shm": self._ipc}, self._options.info)
 
     # -- upkeep -------------------------------------------------------------------------
 
@@ -377,16 +360,3 @@ class MessageHandler:
     def _note_rejected(self, exc: Exception) -> None:
         self._rejected += 1
         log.debug("malformed message: %s", exc)
-
-
-@functools.lru_cache(maxsize=1)
-def _versions() -> dict[str, Any]:
-    from importlib import metadata
-
-    try:
-        phyrt_version = metadata.version("phyrt")
-    except metadata.PackageNotFoundError:
-        phyrt_version = "unknown"
-    return {"phyrt": phyrt_version, "protocol": PROTOCOL_VERSION, "python": platform.python_version(),
-            "torch": torch.__version__, "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(),
-            "msgpack": ".".join(map(str, msgpack.version)), "numpy": np.__version__}
