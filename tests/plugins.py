@@ -35,12 +35,14 @@ class EchoRunner:
             if "raise" in request:
                 raise {"KeyError": KeyError, "ZeroDivisionError": ZeroDivisionError,
                        "SystemExit": SystemExit}[request["raise"]](request.get("message", "boom"))
+            if request.get("thread"):
+                return {**request, "thread": threading.current_thread().name}
         return request
 
 
 class Echo(Entry):
     """Returns the request; dict keys "sleep", "wait_gate" and "raise" steer it ("mark": a file
-    created as the request starts)."""
+    created as the request starts; "thread": the result names the thread that ran it)."""
 
     name = "echo"
 

@@ -288,6 +288,30 @@ def test_decoding_an_observation_warns_nothing_and_its_tensors_are_the_plugins_t
     assert out.returncode == 0 and out.stdout == "ok\n", out.stderr
 
 
+def test_a_lone_connection_s_observation_runs_in_the_door_and_others_keep_the_engine_s_thread(echo_engine):
+    """With one connection and an idle inline engine, an observation runs in the door's event loop
+    (no thread hand-off, as openpi's own server does); with two, each goes to the engine's runner,
+    so one connection's observation never holds another's messages."""
+    with OpenpiDoor(echo_engine).start() as door:
+        first = WebsocketClientPolicy(door.url)
+        try:
+            assert first.infer({"thread": True})["thread"] == "phyrt-openpi"
+            second = WebsocketClientPolicy(door.url)
+            try:
+                assert _until(lambda: len(door._handlers) == 2)
+                assert first.infer({"thread": True})["thread"].startswith("phyrt-inline-")
+                assert second.infer({"thread": True})["thread"].startswith("phyrt-inline-")
+            finally:
+                second._ws.close()
+            assert _until(lambda: len(door._handlers) == 1)
+            assert first.infer({"thread": True})["thread"] == "phyrt-openpi"
+            with pytest.raises(RuntimeError, match="PluginError: ZeroDivisionError: boom"):  # typed, here too
+                first.infer({"raise": "ZeroDivisionError"})
+            assert first.infer({"n": 1}) == {"n": 1}  # and the connection goes on
+        finally:
+            first._ws.close()
+
+
 def test_close_drains_then_disconnects_and_frees_the_port(echo_engine):
     plugins.gate.clear()
     door = OpenpiDoor(echo_engine).start()

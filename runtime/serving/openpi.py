@@ -12,7 +12,11 @@ text frame on error (the client raises ``RuntimeError`` with its text). Arrays t
     door.stop_accepting()                          observations get EngineUnavailable
     door.close(drain_timeout_s=10.0)               drain, close every connection, stop
 
-Each observation becomes one ``engine.submit``: with ``batch_dim`` (openpi's convention:
+Each observation becomes one ``engine.submit``, or, while its connection is the door's only one and
+an inline engine holds nothing else, runs in the door's event loop at once (``Engine.inline_runner``:
+as openpi's own server runs its policy, no thread hand-off either way; another connection's
+observation meanwhile waits for it, as the engine's one runner would make it wait). With
+``batch_dim`` (openpi's convention:
 one unbatched observation in, one action chunk out) every array gains a leading
 dimension of 1 and every tensor or array of the result loses it. A connection runs its
 observations one after the other; connections run side by side, and ``max_inflight``
@@ -104,6 +108,7 @@ class OpenpiDoor:
         api_key = load_api_key(api_key)
         check_openpi_host(host, api_key)
         self._engine = engine
+        self._runner = engine.inline_runner()  # runs an observation here when idle; None: always submit
         self._host, self._requested_port = host, port
         self._api_key = api_key.encode() if api_key is not None else None
         self._batch_dim = bool(batch_dim)
@@ -266,6 +271,14 @@ class OpenpiDoor:
                     f"(max_inflight {self._max_inflight}); retry later")
         try:
             request = decode_observation(message, self._batch_dim)
+            if self._runner is not None and len(self._handlers) == 1:  # nobody else's message waits
+                self._inflight += 1  # (the loop is busy until it returns: nothing else counts meanwhile)
+                try:
+                    ran, result, error = self._runner.run(request, _stay)
+                finally:
+                    self._inflight -= 1
+                if ran:
+                    return _reply(result, error, self._batch_dim)
             future = self._engine.submit(request)
         except ProtocolError as exc:
             return f"InvalidRequest: {clip(str(exc))}"
@@ -281,7 +294,9 @@ class OpenpiDoor:
             self._inflight -= 1
             if not self._inflight:
                 self._idle.set()
-        return _reply(future, self._batch_dim)
+        if future.cancelled():
+            return "EngineUnavailable: the request was cancelled while queued (the engine is closing)"
+        return _reply(None if future.exception() else future.result(), future.exception(), self._batch_dim)
 
 
 async def _completion(future: Future) -> None:
@@ -303,14 +318,15 @@ async def _completion(future: Future) -> None:
         raise
 
 
-def _reply(future: Future, batch_dim: bool) -> bytes | str:
+def _stay() -> None:
+    """An event loop cannot hand its socket over while it runs an observation (``IdleRunner.run``)."""
+
+
+def _reply(result: Any, exc: BaseException | None, batch_dim: bool) -> bytes | str:
     """The reply to a done request: its encoded result, or the error text (never a traceback)."""
-    if future.cancelled():
-        return "EngineUnavailable: the request was cancelled while queued (the engine is closing)"
-    exc = future.exception()
     if exc is None:
         try:
-            return encode_result(future.result(), batch_dim)
+            return encode_result(result, batch_dim)
         except Exception as error:  # TypeError, ValueError: a result openpi's format cannot carry
             return f"PluginError: {clip(f'the result cannot be sent: {error}')}"
     if isinstance(exc, EngineUnavailableError):
