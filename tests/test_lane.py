@@ -161,8 +161,50 @@ def test_plain_calls_go_by_the_lane_and_tensors_still_by_shared_memory(served):
         assert _lane_counts(served)[0][0] >= requests + 20
         big = np.arange(64 * 1024, dtype=np.float32)
         before = _lane_counts(served)[0][0]
-        assert (client.call({"x": big}, timeout=30)["x"] == big).all()  # an ext 2 reference: by ZeroMQ
-        assert _lane_counts(served)[0][0] == before
+        assert (client.call({"x": big}, timeout=30)["x"] == big).all()  # in shared memory, by the lane too
+        # the arena's first segment went by the lane (its register, then the submit)
+        assert _lane_counts(served)[0][0] == before + 2
+        assert client._link._shm.current.registers_by_lane
+
+
+@pytest.mark.timeout(120)
+def test_a_growing_arena_registers_by_the_lane_ahead_of_the_submits_that_use_it(served):
+    """Tensors in shared memory go by the lane; each new segment of the client's arena is registered
+    by the lane first, so the server (which handles the lanes first) never sees a block of a
+    segment it was not told of. Many in flight at once make the arena grow several times."""
+    with Client(served.address) as client:
+        assert client.call({"warm": 1}, timeout=30) == {"warm": 1}
+        assert wait_until(lambda: _lane_up(client), 10)
+        arrays = [np.full(((1 << 20) + 4096 * k) // 4, k, dtype=np.float32) for k in range(24)]  # ~24 MiB
+        for _ in range(3):
+            futures = [client.submit({"k": k, "x": a}) for k, a in enumerate(arrays)]
+            for k, future in enumerate(futures):
+                got = future.result(60)
+                assert got["k"] == k and (got["x"] == arrays[k]).all()
+        session = client._link._shm.current
+        assert session.registers_by_lane and len(session.arena.segments) > 1
+        assert sum(requests for requests, _ in _lane_counts(served)) >= 3 * 24 + len(session.arena.segments)
+
+
+@pytest.mark.timeout(60)
+def test_a_register_the_lane_refused_keeps_submits_with_blocks_off_the_lane(served, monkeypatch):
+    """A segment registered by ZeroMQ (the ring refused its register) could be overtaken by a submit
+    on the lane, which the server handles first: from then on submits with blocks go by ZeroMQ too,
+    behind it; plain ones keep the lane."""
+    with Client(served.address) as client:
+        assert client.call({"warm": 1}, timeout=30) == {"warm": 1}
+        assert wait_until(lambda: _lane_up(client), 10)
+        lane = client._link._shm.current.lane
+        send = lane.send
+        monkeypatch.setattr(lane, "send", lambda frames: b"register" not in bytes(frames[0]) and send(frames))
+        big = np.arange(64 * 1024, dtype=np.float32)
+        before = _lane_counts(served)[0][0]
+        for i in range(5):
+            assert (client.call({"x": big + i}, timeout=30)["x"] == big + i).all()
+        assert not client._link._shm.current.registers_by_lane
+        assert _lane_counts(served)[0][0] == before  # neither the register nor the submits
+        assert client.call({"plain": 1}, timeout=30) == {"plain": 1}
+        assert _lane_counts(served)[0][0] == before + 1
 
 
 @pytest.mark.timeout(60)

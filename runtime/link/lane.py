@@ -4,8 +4,9 @@ Torch-free; imports ``runtime.link.client_protocol`` (the ``lane`` op) and ``run
 (``byte_view``) of the project. Over
 ``ipc://`` every message of a link crosses libzmq's I/O thread on each side: four thread hand-offs
 per round trip, which on a 2-core machine cost a client and its server more CPU than all of
-phyrt's own Python (``bench.serving``, 8 client processes). A lane takes a submit with no block of
-shared memory (its header and tensor frames) and any submit's final reply around them:
+phyrt's own Python (``bench.serving``, 8 client processes). A lane takes a submit (its header and
+tensor frames; blocks of shared memory while the segments were registered by the lane too), the
+``register`` of a new segment of the client's arena, and any submit's final reply around them:
 
     client (holder of its Dealer)                       server (its I/O thread; any thread replies)
     requests ring: put(frames)  --- doorbell pipe --->  Doorbell.read(): a lane id per message;
@@ -29,9 +30,11 @@ Invariants:
 - A pipe write never blocks and never fails for room: a ring refuses a message once
   ``max_unread`` of its messages are unread, and the pipes hold more announcements than all
   the rings can have unread (``Doorbell.max_lanes``). A message a ring refuses goes by libzmq.
-- Order: only submits (not streams) and their final replies use a lane; a submit has one reply. The server
-  reads its ROUTER before the lanes and handles the lanes' messages first, so a ``cancel`` sent
-  by libzmq after its submit went by the lane finds the submit.
+- Order: only submits (not streams), registers and the submits' final replies use a lane; a submit
+  has one reply. The server reads its ROUTER before the lanes and handles the lanes' messages
+  first, so a ``cancel`` sent by libzmq after its submit went by the lane finds the submit. A
+  segment is registered by the lane ahead of the submits that use it; after a register went by
+  libzmq (the ring refused it), submits with blocks keep off the lane, which would overtake it.
 - A peer that died: the write of the announcement fails (EPIPE), the lane closes, and the
   message goes by libzmq, whose failure path (a lost connection) answers it.
 

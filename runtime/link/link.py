@@ -230,9 +230,15 @@ class Link:
         return Request(request_id, future, "submit", time.monotonic(), blocks, session, released, stream), frames
 
     def _by_lane(self, request: Request, frames: list[Any]) -> bool:
-        """Sent by the session's lane (``runtime.link.lane``): a submit with no block of shared memory."""
+        """Sent by the session's lane (``runtime.link.lane``): a submit (not a stream), with blocks of
+        shared memory only while the segments of its session were all registered by that lane."""
         lane = self._shm.lane
-        return lane is not None and request.stream is None and not request.blocks and lane.send(frames)
+        if lane is None or request.stream is not None:
+            return False
+        if request.blocks and (request.session is None or request.session.lane is not lane
+                               or not request.session.registers_by_lane):
+            return False
+        return lane.send(frames)
 
     def _post(self, frames: list[Any]) -> None:
         """Queue a message with no reply (CurrentSession's registers go out before what uses them)."""

@@ -88,6 +88,8 @@ class ShmSession:
         self._unlinked: set[str] = set()
         self._lock = threading.Lock()
         self.lane: ClientLane | None = None  # the client's, over a block of ``_lane_arena``
+        #: every segment registered since the lane came up went by it: submits with blocks may too
+        self.registers_by_lane = True
         self._lane_arena: ShmArena | None = None
         if peer_run_id is not None:
             self.mapper = ShmMapper(peer_run_id)  # raises ValueError for a malformed run id
@@ -351,7 +353,7 @@ class CurrentSession:
                 return None
             segment, holder, new = lent
             if new:
-                self._post([register_header(session.run_id, [segment])])
+                self._announce(session, segment)
         return holder
 
     def _place(self, session: ShmSession, nbytes: int) -> tuple[str, int, memoryview] | None:
@@ -362,8 +364,20 @@ class CurrentSession:
                 return None
             segment, offset, view, new = placed
             if new:
-                self._post([register_header(session.run_id, [segment])])
+                self._announce(session, segment)
             return segment, offset, view
+
+    def _announce(self, session: ShmSession, segment: str) -> None:
+        """Under ``lock``: register a new segment ahead of every request that may use it, by the lane
+        when it is up (the server handles the lane's messages in order), else by libzmq (the
+        outbox); after one by libzmq, requests with blocks keep off the lane (which the server
+        reads first)."""
+        frames = [register_header(session.run_id, [segment])]
+        lane = session.lane
+        if lane is not None and lane.up and session.registers_by_lane and lane.send(frames):
+            return
+        session.registers_by_lane = False
+        self._post(frames)
 
     def _borrow(self, session: ShmSession, address: int, nbytes: int) -> tuple[str, int, int] | None:
         """The lent block (``Client.empty``) a request tensor lies in, held by the request until its reply."""
