@@ -256,10 +256,10 @@ class Reaping:
         closed (its ranks asked to shut down), not failed; ``then()`` once its ranks are released."""
         reaper = threading.Thread(target=self._reap, args=(index, ranks, polite, then),
                                   name=f"phyrt-reaper-{index}", daemon=True)
-        with self.lock:
+        with self.lock:  # started before join_all can see it (it takes the lock only in its release)
             self._bound_s = max(self._bound_s, stop_bound_s(len(ranks), polite) + EXIT_CODE_WAIT_S)
             self.threads.append(reaper)
-        reaper.start()
+            reaper.start()
 
     def join_all(self) -> None:
         """Wait for every other reaper (close(), which a listener may call on its reaper); each

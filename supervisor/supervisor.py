@@ -335,6 +335,7 @@ class WorkerSupervisor:
         # only now: the ranks were forked from the link thread, so its end SIGKILLs any still alive
         if not self._link.stop():
             log.error("the supervisor's link thread did not stop")
+        self._reaping.join_all()  # a reaper the link thread started meanwhile (a failure it saw first)
         self._close_sentinels()  # (the thread's, when it never ran)
         self._release_resources()
 
