@@ -326,6 +326,7 @@ class WorkerSupervisor:
             fail_futures(taken, CLOSED, None)
             if was_serving:
                 serving.append(group)
+        self._link.wake()  # the link thread, if it reads, sees nothing due now and gives the role up
         if not self._role.wait_released(10.0):
             log.error("a thread still reads the supervisor's socket at close")
         for group in serving:  # its ranks are told to shut down (nobody reads: the ROUTER is ours)
