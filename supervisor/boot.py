@@ -40,13 +40,13 @@ from typing import Any, Callable
 import msgpack
 import zmq
 
-from runtime.core import env
 from runtime.core.config import EngineArgs, WorkerSupervisorConfig, dtype_name
 from runtime.core.errors import ProtocolError, WorkerStartupError
 from runtime.core.futures import resolve
 from runtime.link import rank_protocol as rp
 from runtime.link.broadcast import BroadcastWriter
 from runtime.link.lane import ANSWERS_BYTES, AnswerReader
+from runtime.link.lane import available as lanes_available
 from runtime.transport import wire
 from runtime.transport.arena import ShmArena, ShmMapper
 from runtime.transport.shm_names import unlink_quiet
@@ -174,7 +174,7 @@ class Launcher:
             group = Replica(replica, first_replica + replica, ShmArena(self._run_id, ARENA_BYTES),
                             config.execution_timeout_s, (batching.max_batch_size, batching.max_delay_ms / 1000))
             replicas.append(group)  # closed with the supervisor from here on, as its ring
-            lane = env.lane() and os.path.isdir("/proc/self/fd")
+            lane = lanes_available()
             group.ring = BroadcastWriter(self._run_id, len(devices), answer_bytes=ANSWERS_BYTES if lane else 0)
             if lane:
                 group.answers = AnswerReader(group.ring.answers)
@@ -218,12 +218,10 @@ class Answers:
         self._chunks: list[tuple[Any, Any]] = []  # (StreamCall, chunk) taken, to deliver in after_poll
         self._finished: list[tuple[Replica, Pending]] = []  # answered: their blocks to retire
         self.waiting = False  # after the last after_poll: a ring still waits for a rank (look again soon)
-
-    def items(self) -> list[tuple[Any, Callable[[], None]]]:
-        """What to poll for the ranks' answers, and what takes them: the ctl ROUTER, and the answer
-        lane of each replica that has one (``runtime.link.lane.AnswerReader``)."""
-        return [(self._router, self.take)] + [(g.answers.fd, functools.partial(self.take_lane, g))
-                                              for g in self._replicas if g.answers is not None]
+        #: what to poll for the ranks' answers, and what takes them: the ctl ROUTER, and the answer
+        #: lane of each replica that has one (``runtime.link.lane.AnswerReader``)
+        self.items: list[tuple[Any, Callable[[], None]]] = [(router, self.take)] + [
+            (g.answers.fd, functools.partial(self.take_lane, g)) for g in replicas if g.answers is not None]
 
     def take(self) -> None:
         """Take one ctl message (the poll said there is one)."""
@@ -231,8 +229,12 @@ class Answers:
         if got is None:
             return
         group, r, payload, count = got
-        if group.failed is None:
-            self._take(group, r, payload.buffer, count)
+        if group.failed is not None:
+            return
+        if count != 1:
+            self._fail(group, f"rank {r.rank} sent a malformed message: {count} frames, not 1")
+            return
+        self._take(group, r, payload.buffer)
 
     def take_lane(self, group: Replica) -> None:
         """Take the answers ``group``'s output rank sent by its answer lane (the poll saw its pipe)."""
@@ -243,12 +245,10 @@ class Answers:
             self._fail(group, f"rank 0 sent a malformed message: {exc}", exc)
         for answer in answers:
             if group.failed is None:
-                self._take(group, group.ranks[0], answer, 1)
+                self._take(group, group.ranks[0], answer)
 
-    def _take(self, group: Replica, r: RankState, payload: Any, count: int) -> None:
-        if count != 1:
-            self._fail(group, f"rank {r.rank} sent a malformed message: {count} frames, not 1")
-            return
+    def _take(self, group: Replica, r: RankState, payload: Any) -> None:
+        """Decode and handle one answer of rank ``r``."""
         try:
             msg = wire.unpack_message(payload, expected_types=rp.ANSWERS, tensor_decoder=r.decoder)
             self._handle(group, r, msg)
@@ -260,7 +260,7 @@ class Answers:
     def read(self, role: Any, spinner: Any, poll_ms: int, future: Any, deadline: float | None) -> None:
         """As the reader (``ReaderRole.wait``): take answers until ``future`` is done, ``deadline``
         passed or the role is closed; woken through ``role.fd`` (a failure, close)."""
-        takes = dict(self.items())
+        takes = dict(self.items)
         items = [(item, _POLLIN) for item in takes] + [(role.fd, _POLLIN)]
         while not future.done() and not role.closed:
             wait_ms = 2 if self.waiting else poll_ms  # a ring waiting for a rank's credit: look soon

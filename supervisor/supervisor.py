@@ -274,7 +274,7 @@ class WorkerSupervisor:
         items = [(self._hb, functools.partial(answers.take_beats, self._hb))]
         items += [(fd, functools.partial(self._rank_exited, fd)) for fd in self._sentinels]
         if self._reading:
-            items += answers.items()
+            items += answers.items
         return items
 
     def _rank_exited(self, fd: int) -> None:

@@ -1,11 +1,11 @@
 """The same-host lane: a submit and its reply through shared memory and a pipe, past libzmq.
 
-Torch-free; imports ``runtime.link.client_protocol`` (the ``lane`` op) and ``runtime.transport.protocol``
-(``byte_view``) of the project. Over
-``ipc://`` every message of a link crosses libzmq's I/O thread on each side: four thread hand-offs
-per round trip, which on a 2-core machine cost a client and its server more CPU than all of
-phyrt's own Python (``bench.serving``, 8 client processes). A lane takes a submit (its header and
-tensor frames; blocks of shared memory while the segments were registered by the lane too), the
+Torch-free; imports ``runtime.core.env`` (``PHYRT_LANE``), ``runtime.link.client_protocol`` (the
+``lane`` op) and ``runtime.transport.protocol`` (``byte_view``) of the project. Over ``ipc://``
+every message of a link crosses libzmq's I/O thread on each side: four thread hand-offs per round
+trip, which on a 2-core machine cost a client and its server more CPU than all of phyrt's own
+Python (``bench.serving``, 8 client processes). A lane takes a submit (its header and tensor
+frames; blocks of shared memory while the segments were registered by the lane too), the
 ``register`` of a new segment of the client's arena, and any submit's final reply around them:
 
     client (holder of its Dealer)                       server (its I/O thread; any thread replies)
@@ -54,6 +54,7 @@ import struct
 import threading
 from typing import Any, Sequence
 
+from runtime.core import env
 from runtime.link.client_protocol import lane_header
 from runtime.transport.protocol import byte_view
 
@@ -150,6 +151,12 @@ class Ring:
             at += size
         _PAIR.pack_into(buf, base, head + ((4 + n + 7) & ~7), taken + 1)
         return parts
+
+
+def available() -> bool:
+    """Whether lanes may be used here: ``PHYRT_LANE`` does not turn them off, and a process's pipe
+    ends can be opened through ``/proc``."""
+    return env.lane() and os.path.isdir("/proc/self/fd")
 
 
 def open_peer_pipe(pid: int, fd: int, flags: int) -> int:

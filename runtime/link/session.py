@@ -51,10 +51,10 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from runtime.core import env
 from runtime.core.errors import ProtocolError
 from runtime.link.client_protocol import register_header
 from runtime.link.lane import LANE_BYTES, ClientLane, ReplyPipe
+from runtime.link.lane import available as lanes_available
 from runtime.transport.arena import ShmArena, ShmMapper, new_run_id, sweep_stale
 from runtime.transport.protocol import PayloadEncoder
 
@@ -257,7 +257,7 @@ class CurrentSession:
         self.current: ShmSession | None = None
         self._bound: tuple[Any, Any, Any] = (None, None, None)  # (session, place, borrow), made once a session
         #: the link's reply pipe, for the lanes of its sessions (None: no lanes)
-        self.replies = ReplyPipe() if enabled and env.lane() and os.path.isdir("/proc/self/fd") else None
+        self.replies = ReplyPipe() if enabled and lanes_available() else None
 
     @property
     def lane(self) -> ClientLane | None:

@@ -296,7 +296,8 @@ class OpenpiDoor:
                 self._idle.set()
         if future.cancelled():
             return "EngineUnavailable: the request was cancelled while queued (the engine is closing)"
-        return _reply(None if future.exception() else future.result(), future.exception(), self._batch_dim)
+        exc = future.exception()
+        return _reply(None if exc is not None else future.result(), exc, self._batch_dim)
 
 
 async def _completion(future: Future) -> None:
