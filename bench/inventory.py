@@ -47,6 +47,7 @@ REQUEST_WALK = [
     ("client", "caller", "runtime.core.futures", "Slot", "the caller's own future"),
     ("client", "caller", "runtime.link.dealer", "Dealer.enter", "register + take the socket, one lock"),
     ("client", "caller", "runtime.link.pending", "PendingTable.add_locked", "the request in flight"),
+    ("client", "caller", "runtime.link.reader", "ReaderRole.take_locked", "the socket's holder (the reader)"),
     ("client", "caller", "runtime.link.lane", "_Announcer.put", "into the request ring, announce (the lane)"),
     ("client", "caller", "runtime.link.dealer", "Dealer.read", "spin-poll, read"),
     ("client", "caller", "runtime.transport.spin", "Spinner.wait", "spin before sleeping in zmq_poll"),
@@ -74,7 +75,7 @@ REQUEST_WALK = [
      "its turn: the ranks' window has room"),
     ("server", "phyrt-server-0", "runtime.core.lanes", "Lanes.put", "priority order (taken at once here)"),
     ("server", "phyrt-server-0", "runtime.link.broadcast", "BroadcastWriter.write_all", "one slot, a post per rank"),
-    ("server", "phyrt-server-0", "runtime.transport.reader", "ReaderRole", "nobody reads? then wake"),
+    ("server", "phyrt-server-0", "runtime.link.reader", "ReaderRole", "nobody reads? then wake"),
     # each rank process (2), its main thread
     ("rank 0 and rank 1", "main", "workers.serve_loop", "serve", "read the ring"),
     ("rank 0 and rank 1", "main", "runtime.link.broadcast", "BroadcastReader.recv", "wait on the semaphore"),

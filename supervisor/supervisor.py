@@ -17,9 +17,9 @@ The watch is an end of a ``runtime.link.link_thread.LinkThread`` (this class: ``
 answers; deadlines are checked every ``heartbeat_interval_s`` / 2 and at each request's own
 (``execution_timeout_s`` from submission); a failure of the thread fails every replica.
 
-Reader role (``runtime.transport.reader.ReaderRole``): one thread reads the ctl ROUTER, a caller
-of ``start_call`` waiting on its own slot when the role is free (no thread switch per round trip),
-else the link thread; the reader polls the ctl ROUTER and each replica's answer lane. Its lock
+Reader role (``runtime.link.reader.ReaderRole``, the client's rule too): one thread reads the ctl
+ROUTER, a caller of ``start_call`` waiting on its own slot when the role is free (no thread switch per
+round trip), else the link thread; the reader polls the ctl ROUTER and each replica's answer lane. Its lock
 guards only who reads (and ``_closed``); each replica's requests and ``failed`` flag are under its
 table's lock. A submit registers its request, then looks whether
 anyone reads; a reader gives the role up, then looks whether answers are due: one of them sees
@@ -49,9 +49,9 @@ from runtime.core.config import EngineArgs, WorkerSupervisorConfig
 from runtime.core.errors import WorkerStartupError
 from runtime.core.futures import Slot
 from runtime.link.link_thread import LinkThread
+from runtime.link.reader import ReaderRole
 from runtime.transport.arena import ShmMapper, new_run_id, sweep_run, sweep_stale
 from runtime.transport.owners import sweep_run_dirs
-from runtime.transport.reader import ReaderRole
 from runtime.transport.spin import Spinner, budget_ns, usable_cores
 from supervisor.boot import Answers, Launcher, Startup
 from supervisor.processes import RankState, Reaping
@@ -92,7 +92,7 @@ class WorkerSupervisor:
         self._replicas: list[Replica] = []  # filled by the spawn, then never changed
         self._mapper = ShmMapper(self.run_id)
         self._link = LinkThread("phyrt-supervisor")
-        self._role = ReaderRole(self._answers_due, self._link.wake)
+        self._role = ReaderRole(self._answers_due, self._left)
         self._reaping = Reaping(self.run_id)
         self._startup = Startup((), self._mapper, config.startup_timeout_s, cancel)
         self._answers: Answers | None = None
@@ -155,23 +155,24 @@ class WorkerSupervisor:
         return self._reaping.listen(replica, callback)
 
     def start_call(self, replica: int, request: Any, then: Callable[[], None] | None = None,
-                   priority: int = 0) -> Slot:
+                   priority: int = 0) -> tuple[Slot, int]:
         """``Engine.step``'s send: ``submit`` with a ``Slot`` for ``finish_call`` (``then()`` once
         answered or failed), the calling thread made the reader first when nobody reads."""
         slot = Slot(then)
-        reading = self._role.take_free()
+        owned = self._role.take_free()
         try:
             self.submit(replica, request, slot, None, priority)
         except BaseException:
-            if reading:
+            if owned:
                 self._role.leave()
             raise
-        return slot
+        return slot, owned
 
-    def finish_call(self, slot: Slot, timeout: float | None) -> Any:
+    def finish_call(self, call: tuple[Slot, int], timeout: float | None) -> Any:
         """``start_call``'s answer: read here while this thread is (or can become) the reader, else
-        slept for; the role is given up at the end."""
-        if not self._role.wait(slot, timeout, self._read):
+        slept for; a role taken by ``start_call`` is given up at the end."""
+        slot, owned = call
+        if not self._role.wait(slot, timeout, self._read, owned):
             raise TimeoutError(f"no result within {timeout} s (the request was still running; its result is dropped)")
         return slot.result()
 
@@ -190,6 +191,11 @@ class WorkerSupervisor:
     def empty(self, replica: int, shape: tuple[int, ...], dtype: Any) -> Any:
         """A tensor in ``replica``'s request arena, sent without a copy (``Replica.lend``)."""
         return self._replicas[replica].lend(shape, dtype)
+
+    def _left(self, hand_on: bool) -> None:
+        """The reader role was given up: answers still due wake the link thread to read them."""
+        if hand_on:
+            self._link.wake()
 
     def _answers_due(self) -> bool:
         """Under the role's lock (``ReaderRole.awaiting``): whether answers are due (none once closed)."""
@@ -269,8 +275,7 @@ class WorkerSupervisor:
 
     def poll_items(self) -> list[tuple[Any, Callable[[], None]]]:
         role, answers = self._role, self._answers
-        with role.lock:
-            self._reading = role.held_here() or (self._answers_due() and role.take_locked())
+        self._reading = role.take_if_due()
         items = [(self._hb, functools.partial(answers.take_beats, self._hb))]
         items += [(fd, functools.partial(self._rank_exited, fd)) for fd in self._sentinels]
         if self._reading:

@@ -672,7 +672,7 @@ class _ReaderProbe:
             with self._lock:
                 self.inside += 1
                 self.most = max(self.most, self.inside)
-                self.strays += self._dealer.holder != threading.get_ident()
+                self.strays += self._dealer.role.holder != threading.get_ident()
             try:
                 return method(*args, **kwargs)
             finally:
@@ -718,7 +718,7 @@ def test_callers_and_submitters_at_once_each_get_their_own_replies(client):
         t.join(100)
     assert not errors, errors[:3]
     assert probe.most == 1 and probe.strays == 0  # one reader at a time, the socket's holder
-    assert len(client._link.awaited.table) == 0 and client._link.dealer.holder is None
+    assert len(client._link.awaited.table) == 0 and client._link.dealer.role.holder is None
     # under that load a caller that finds the socket held sleeps on its Slot (whether one found it
     # free is up to the scheduler); a caller that finds it free reads its own reply
     replies: list = []

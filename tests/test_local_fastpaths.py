@@ -316,12 +316,13 @@ def test_a_step_whose_request_failed_before_it_waited_leaves_the_reading_to_othe
         # step takes it only when it is free
         assert wait_until(lambda: sup._role.holder is None and not any(g.frees for g in sup._replicas), 10)
         victim.reserve()
-        slot = victim.start_call({"op": "sleep", "s": 30.0})  # as Engine.step sends
-        assert sup._role.holder == threading.get_ident()
+        call = victim.start_call({"op": "sleep", "s": 30.0})  # as Engine.step sends
+        slot, owned = call
+        assert owned == 1 and sup._role.holder == threading.get_ident()
         os.kill(pid, signal.SIGKILL)
         assert wait_until(slot.done, 10)  # failed before this thread waits on it
         with pytest.raises(EngineUnavailableError):
-            victim.finish_call(slot, 5)
+            victim.finish_call(call, 5)
         assert sup._role.holder is None
         # a future of the other replica that nobody waits on is read (by the I/O thread)
         other = submit_to(engine, 1, {"op": "pid"})

@@ -1,4 +1,4 @@
-"""runtime.transport.reader.ReaderRole: who reads, handing the reading on, waking, closing.
+"""runtime.link.reader.ReaderRole: who reads, handing the reading on, waking, closing.
 
 A fake channel stands in for a socket: answers are written to a pipe as the future's
 index, and ``read`` polls that pipe and the role's wake-up fd, as the client and the
@@ -17,7 +17,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from runtime.transport.reader import ReaderRole
+from runtime.link.reader import ReaderRole
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -28,9 +28,9 @@ class Channel:
     def __init__(self) -> None:
         self.futures: dict[int, Future] = {}
         self.readers: list[str] = []  # the thread name of every read answer
-        self.fallback_wakes = 0
+        self.fallback_wakes = self.leaves = 0
         self.fallback = threading.Event()
-        self.role = ReaderRole(self.awaiting, self.wake_fallback)
+        self.role = ReaderRole(self.awaiting, self.on_leave)
         self._r, self._w = os.pipe()
         self._count = threading.Lock()
         self.inside = self.most_inside = 0  # threads inside read() at once
@@ -43,9 +43,11 @@ class Channel:
     def awaiting(self) -> bool:
         return any(not f.done() for f in self.futures.values())
 
-    def wake_fallback(self) -> None:
-        self.fallback_wakes += 1
-        self.fallback.set()
+    def on_leave(self, hand_on: bool) -> None:
+        self.leaves += 1
+        if hand_on:  # answers due and nobody reads: the fallback reader is woken
+            self.fallback_wakes += 1
+            self.fallback.set()
 
     def submit(self) -> tuple[int, Future]:
         index = len(self.futures)
@@ -205,7 +207,8 @@ def test_a_callback_of_the_reader_that_waits_reads_nested_and_keeps_the_role(cha
 
 def test_a_role_taken_before_the_send_is_kept_and_given_up_by_the_wait(channel):
     """As ``WorkerSupervisor.start_call`` does: the caller takes the free role, then sends."""
-    assert channel.role.take_free()
+    owned = channel.role.take_free()
+    assert owned == 1
     assert not channel.role.take_free()  # held (by this very thread: its wait re-enters)
     assert channel.role.held_here()
     # another thread cannot take a held role
@@ -213,13 +216,80 @@ def test_a_role_taken_before_the_send_is_kept_and_given_up_by_the_wait(channel):
     seen: list[bool] = []
     other.start()
     other.join(5)
-    assert seen == [False]
+    assert seen == [0]
     # the future failed before its waiter came: the wait gives the role up all the same
     _, future = channel.submit()
     future.set_exception(RuntimeError("failed elsewhere"))
-    assert channel.role.wait(future, 1.0, channel.read)
+    assert channel.role.wait(future, 1.0, channel.read, owned)
     assert channel.role.holder is None
+    assert channel.leaves == 1
 
+
+def test_a_wait_nested_in_a_link_threads_turn_leaves_the_role_to_that_thread(channel):
+    """A link thread takes the role for a turn (``take_if_due``) and completes futures; a done
+    callback that waits for another answer reads there, and must not give the role up under the
+    turn that holds it (only the take that answered 1 gives it back)."""
+    a, fa = channel.submit()
+    b, fb = channel.submit()
+    seen = {}
+
+    def on_a(_future):  # on the "link thread", inside its turn
+        channel.answer(b)
+        seen["nested"] = channel.role.wait(fb, 5.0, channel.read)
+        seen["still_held"] = channel.role.held_here()
+
+    fa.add_done_callback(on_a)
+    turn = {}
+
+    def link_turn():
+        turn["took"] = channel.role.take_if_due()
+        channel.answer(a)
+        channel.read(fa, time.monotonic() + 5)
+        turn["held_at_end"] = channel.role.held_here()
+        channel.role.leave(hand_on=False)
+
+    thread = threading.Thread(target=link_turn, name="link")
+    thread.start()
+    thread.join(10)
+    assert turn == {"took": True, "held_at_end": True}
+    assert seen == {"nested": True, "still_held": True}
+    assert channel.readers == ["link", "link"] and fb.result() == b
+    assert channel.role.holder is None and channel.leaves == 1
+
+
+def test_take_if_due_takes_only_a_free_role_with_answers_due(channel):
+    assert channel.role.take_if_due() is False  # nothing due
+    channel.submit()
+    assert channel.role.take_if_due() is True
+    assert channel.role.take_if_due() is True  # held here already
+    assert channel.role.leave(hand_on=False) and channel.role.holder is None
+    channel.role.close()
+    assert channel.role.take_if_due() is False  # closed
+
+
+def test_a_waiter_holding_a_closed_role_gives_it_up_and_sleeps_until_its_future_fails(channel):
+    """``close()`` comes after a caller took the role before sending (as ``start_call`` does): its
+    wait reads nothing, gives the role up (so the closer's ``wait_released`` returns) and sleeps on
+    its future, which the closer fails."""
+    _, future = channel.submit()
+    took, closed, result = threading.Event(), threading.Event(), {}
+
+    def caller():
+        owned = channel.role.take_free()
+        took.set()
+        closed.wait(5)
+        result["ok"] = channel.role.wait(future, 5.0, lambda f, d: pytest.fail("read after close"), owned)
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    assert took.wait(5) and channel.role.holder == thread.ident
+    channel.role.close()
+    closed.set()
+    assert channel.role.wait_released(5.0)
+    _until(lambda: asleep(thread.ident))
+    future.set_exception(RuntimeError("closed"))
+    thread.join(5)
+    assert result == {"ok": True} and channel.role.holder is None
 
 def test_wake_interrupts_the_reader_and_close_waits_for_it_to_leave(channel):
     _, future = channel.submit()

@@ -14,7 +14,7 @@ from concurrent.futures import CancelledError
 import pytest
 
 from runtime.core.futures import Slot, resolve
-from runtime.transport.reader import ReaderRole
+from runtime.link.reader import ReaderRole
 from tests.conftest import wait_until
 from tests.test_reader import asleep
 
@@ -54,7 +54,7 @@ def test_a_thread_sleeping_on_it_wakes_when_another_completes_it():
 
 
 def test_a_caller_that_is_not_the_reader_sleeps_on_its_slot_until_the_reader_completes_it():
-    role = ReaderRole(lambda: False, lambda: None)
+    role = ReaderRole(lambda: False, lambda hand_on: None)
     slot, read, caller = Slot(), threading.Event(), threading.get_ident()
     saw_asleep = []
 

@@ -11,18 +11,18 @@ Torch-free; imports ``runtime.core``, ``runtime.transport`` and ``runtime.link``
     leave(): the socket back; replies still due and nobody reading: the link thread is woken
 
 Invariants:
-- The socket is used by its *holder* only (``holder``, a thread ident, changed under ``lock``, the
-  pending table's): reading and sending both. The outbox is FIFO, so a segment's ``register`` goes
+- The socket is used by its *holder* only: the holder of its ``ReaderRole`` (``runtime.link.reader``,
+  under ``lock``, the pending table's), which reads and sends both. The outbox is FIFO, so a segment's ``register`` goes
   out before a request that uses it; a holder flushes before each poll (and after setting
   ``polling``), and whoever gives the socket back sends what came meanwhile.
 - Nesting: a thread holding the socket (a done callback run by the reader) may send and read as
-  the holder; only the outermost taker gives it back.
+  the holder; only the outermost taker gives it back (a take answers 1 taken now, 2 held here, 0 not).
 - Tensor frames that view a caller's arrays are sent at once (zmq copies them as they are
   queued) or, when another thread holds the socket, queued as a snapshot (``Outbox``).
 - The monitor is read under ``monitor_lock`` (``watch_monitor``): by the link thread when it fires,
   and by a sender whose send found no connection to queue on (a refused handshake explains that).
-- ``stopped`` (closed or broken): nobody takes the socket any more; ``shut`` closes it once the
-  last holder left (it was woken through the pipe).
+- ``stopped`` (the role closed: the link closed or broken): nobody takes the socket any more;
+  ``shut`` closes it once the last holder left (it was woken through the role's pipe).
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ from runtime.link.awaited import Awaited, Request
 from runtime.link.client_protocol import SUBMIT_REPLY_PREFIX
 from runtime.link.handshake import LOST, REFUSED, SERVED, HandshakeWatch, open_dealer, read_verdicts
 from runtime.link.outbox import Outbox
+from runtime.link.reader import ReaderRole
 from runtime.transport.endpoints import ipc_unreachable
 from runtime.transport.spin import Spinner, budget_ns
-from runtime.transport.wake_pipe import WakePipe
 
 __all__ = ["Dealer", "plain_result"]
 
@@ -53,7 +53,6 @@ log = logging.getLogger("phyrt.client")
 
 # plain ints: pyzmq's enum members cost microseconds in every ``|`` and call on the hot path
 _NOBLOCK, _POLLIN = int(zmq.NOBLOCK), int(zmq.POLLIN)
-_get_ident = threading.get_ident
 
 
 def _no_ext(code: int, body: bytes) -> Any:
@@ -86,22 +85,19 @@ class Dealer:
         self._thread = thread  # woken when replies are due and nobody reads
         self._poll_s = options.heartbeat_interval_s  # a reader looks at ``stopped`` at least this often
         self.outbox = Outbox(address, awaited)  # what the holder sends, in order
-        self.holder: int | None = None
-        self._left = threading.Condition(self.lock)
+        self.role = ReaderRole(awaited.awaiting, self._left, self.lock)  # who holds the socket; wakes it
         self.polling = False  # the holder sleeps in poll (wake it to send)
-        self.stopped = False
         self.failures: collections.deque[str] = collections.deque()  # for the link's callbacks
         self._spinner = Spinner(budget_ns("client"))  # a waiting caller polls a moment before it sleeps
-        self.pipe = WakePipe()  # wakes the holder
         try:
             self._ctx, self.sock, self.monitor = open_dealer(address, options)
         except BaseException:
-            self.pipe.close()
+            self.role.dispose()
             raise
         self.monitor_lock = threading.Lock()
         self._watch = HandshakeWatch(address, options.server_public_key is not None)
         self.open = True
-        self._items = [(self.sock, _POLLIN), (self.pipe.fd, _POLLIN)]
+        self._items = [(self.sock, _POLLIN), (self.role.fd, _POLLIN)]
         self._replies = awaited.shm.replies  # announces the lane's replies (runtime.link.lane)
         self.lane_fd = None if self._replies is None else self._replies.fd
         if self.lane_fd is not None:
@@ -118,34 +114,25 @@ class Dealer:
             refusal = awaited.refusal(request)
             if refusal is None:
                 self._table.add_locked(request)
-                holder = self.holder
-                if holder is None:
-                    self.holder = _get_ident()
-                    return 1
-                return 2 if holder == _get_ident() else 0
+                return self.role.take_locked()
         raise refusal
+
+    @property
+    def stopped(self) -> bool:
+        """Closed or broken: nobody takes the socket any more."""
+        return self.role.closed
 
     def take(self) -> int:
         """The socket for this thread: 1 taken now, 2 held here already, 0 held by another (or stopped)."""
-        with self.lock:
-            holder = self.holder
-            if holder is None:
-                if self.stopped:
-                    return 0
-                self.holder = _get_ident()
-                return 1
-            return 2 if holder == _get_ident() else 0
+        return self.role.take()
 
     def leave(self, hand_on: bool = True) -> None:
-        """Give the socket back (if this thread holds it); with ``hand_on``, wake the link thread when
-        replies are still due; then send what was queued meanwhile."""
-        with self.lock:
-            if self.holder != _get_ident():
-                return
-            self.holder = None
-            if self.stopped:
-                self._left.notify_all()
-            hand_on = hand_on and not self.stopped and self.awaited.awaiting()
+        """Give the socket back (if this thread holds it): ``_left``."""
+        self.role.leave(hand_on)
+
+    def _left(self, hand_on: bool) -> None:
+        """The socket was given back: send what was queued meanwhile, then with ``hand_on`` (replies
+        still due) wake the link thread to read them."""
         if self.outbox:
             self._kick()
         if hand_on:
@@ -157,8 +144,8 @@ class Dealer:
         if not owned:
             self.outbox.queue(request_id, frames)
             if self.polling:
-                self.pipe.wake()
-            elif self.holder is None:
+                self.role.wake()
+            elif self.role.holder is None:
                 self._kick()
             return
         failed: list = []
@@ -177,7 +164,7 @@ class Dealer:
         owned = self.take()
         if not owned:
             if self.polling:
-                self.pipe.wake()
+                self.role.wake()
             return
         failed: list = []
         try:
@@ -192,11 +179,11 @@ class Dealer:
     def read(self, future: Any, deadline: float | None, leave: bool) -> None:
         """Holding the socket: read until ``future`` is done, ``deadline`` passes or the link stops;
         give the socket back at the end if ``leave`` (a Slot's own plain reply: with its claim)."""
-        sock, pipe, spinner, look, items = self.sock, self.pipe, self._spinner, self._look, self._items
+        sock, role, spinner, look, items = self.sock, self.role, self._spinner, self._look, self._items
         own = type(future) is Slot
         failed: list = []
         try:
-            while not future.done() and self.open and not self.stopped:
+            while not future.done() and self.open and not role.closed:
                 if self.outbox:
                     self.outbox.flush(self, failed)
                 if failed:  # (a request that could not go is answered first)
@@ -214,7 +201,7 @@ class Dealer:
                 for what, _ in events:
                     if what is not sock:
                         if what != self.lane_fd:
-                            pipe.drain()
+                            role.drain()
                         elif self._read_lane(future if own else None, leave, failed):
                             leave = False  # given back with its claim
                             return
@@ -272,15 +259,10 @@ class Dealer:
             p = self._table.claim_locked(request_id)
             if p is None:  # failed here already: handle() frees what the server held for it
                 return False
-            if leave:
-                self.holder = None
-                hand_on = not self.stopped and awaited.awaiting()
+            due = self.role.release_locked() if leave else None
         awaited.last_heard = time.monotonic()
-        if leave:
-            if self.outbox:
-                self._kick()
-            if hand_on:
-                self._thread.wake()
+        if due is not None:
+            self._left(due)
         if p.blocks and p.session is not None:
             p.session.free(p.blocks)
         future.set_result(header["result"])  # a Slot: no callbacks
@@ -339,10 +321,9 @@ class Dealer:
     def shut(self) -> None:
         """The link thread, on its way out: close the socket and its monitor once no other thread
         holds the socket (a reader was woken: it sees ``stopped``)."""
-        me = _get_ident()
+        self.role.close()
+        self.role.wait_released(2.0)
         with self.lock:
-            self.stopped = True
-            self._left.wait_for(lambda: self.holder is None or self.holder == me, 2.0)
             self.open = False
         with self.monitor_lock:
             self.sock.disable_monitor()
@@ -353,5 +334,5 @@ class Dealer:
 
     def term(self) -> None:
         """Once the link thread has ended (after ``shut``)."""
-        self.pipe.close()
+        self.role.dispose()
         self._ctx.term()

@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
-from concurrent import futures as cf
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -136,7 +134,7 @@ class Link:
 
     def need_reader(self) -> None:
         """Replies are due: wake the link thread to read them unless a thread reads already."""
-        if self.dealer.holder is None:
+        if self.dealer.role.holder is None:
             self._thread.wake()
 
     def cancel(self, request_id: int) -> None:
@@ -147,23 +145,10 @@ class Link:
     def wait(self, future: Any, timeout: float | None) -> bool:
         """Until ``future`` is done (True) or ``timeout`` passed (False): reading while the socket is
         free or this thread's, else sleeping on the future, which the reader completes."""
-        dealer = self.dealer
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not future.done():
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                return False
-            owned = dealer.take()
-            if owned and not dealer.stopped:
-                dealer.read(future, deadline, owned == 1)
-                continue
-            if owned == 1:
-                dealer.leave()
-            if isinstance(future, Slot):
-                future.wait(remaining)
-            else:
-                cf.wait([future], remaining)
-        return True
+        return self.dealer.role.wait(future, timeout, self._read)
+
+    def _read(self, future: Any, deadline: float | None) -> None:
+        self.dealer.read(future, deadline, False)  # (the role's wait gives the socket back)
 
     def lend(self, nbytes: int) -> Any:
         return self._shm.lend(nbytes)
@@ -187,11 +172,12 @@ class Link:
         with awaited.lock:
             if awaited.closed:
                 return
-            awaited.closed = dealer.stopped = True  # no request enters from now on
+            awaited.closed = True  # no request enters from now on
+        dealer.role.close()  # nor takes the socket
         taken = awaited.table.take_all()
         lost = awaited.errors.ConnectionLostError
         awaited.complete([(p.future, None, lost(f"the client of {self.address} was closed")) for p in taken])
-        dealer.pipe.wake()  # a reading caller gives the socket back
+        dealer.role.wake()  # a reading caller gives the socket back
         dealer.leave(hand_on=False)  # closed from a callback run by the reading caller
         ended = self._thread.stop()
         self._shm.drop()
@@ -281,11 +267,7 @@ class Link:
         items: list[tuple[Any, Callable[[], None]]] = []
         if dealer.monitor is not None:
             items.append((dealer.monitor, self._on_monitor))
-        with dealer.lock:
-            take = dealer.holder is None and not dealer.stopped and self.awaited.awaiting()
-            if take:
-                dealer.holder = threading.get_ident()
-        if take:
+        if dealer.role.take_if_due():
             dealer.polling = True
             done: list = []
             dealer.outbox.flush(dealer, done)
@@ -295,7 +277,7 @@ class Link:
                 self._fail(done)
                 self._thread.wake()
                 return items
-            items += [(dealer.sock, self._on_readable), (dealer.pipe.fd, dealer.pipe.drain)]
+            items += [(dealer.sock, self._on_readable), (dealer.role.fd, dealer.role.drain)]
             if dealer.lane_fd is not None:
                 items.append((dealer.lane_fd, self._on_lane))
         return items
@@ -315,8 +297,7 @@ class Link:
         """Give the socket back (no hand-on: the thread looks again next turn); complete what it read."""
         dealer = self.dealer
         dealer.polling = False
-        if dealer.holder == threading.get_ident():
-            dealer.leave(hand_on=False)
+        dealer.leave(hand_on=False)
         done, self._thread_done = self._thread_done, []
         self._fail(done)
 
@@ -324,7 +305,7 @@ class Link:
         """The thread failed (a bug): everything fails, now and later."""
         awaited = self.awaited
         awaited.broken = f"the client's I/O thread failed: {exc!r}"
-        self.dealer.stopped = True
+        self.dealer.role.close()
         done: list = []
         awaited.connection_lost(awaited.broken, done)
         self._fail(done)
@@ -334,9 +315,9 @@ class Link:
         future may be among them. One that takes it later finds its future done before it polls."""
         if done:
             self.awaited.complete(done)
-            holder = self.dealer.holder
-            if holder is not None and holder != threading.get_ident():
-                self.dealer.pipe.wake()
+            role = self.dealer.role
+            if role.holder is not None and not role.held_here():
+                role.wake()
 
     def shut(self) -> None:
         self.dealer.shut()
