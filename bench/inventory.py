@@ -41,7 +41,7 @@ REQUEST_WALK = [
     ("client", "caller", "runtime.client.client", "Client.call", "check, then the link's call"),
     ("client", "caller", "runtime.link.link", "Link.call", "prepare, enter, transmit, read"),
     ("client", "caller", "runtime.link.client_protocol", "plain_submit", "try the plain fast path (refused: a tensor)"),
-    ("client", "caller", "runtime.link.session", "CurrentSession.encoder", "a PayloadEncoder over the shm session"),
+    ("client", "caller", "runtime.link.current_session", "CurrentSession.encoder", "a PayloadEncoder over the shm session"),
     ("client", "caller", "runtime.transport.protocol", "PayloadEncoder.pack_message", "header + tensor frame"),
     ("client", "caller", "runtime.transport.codec", "pack", "msgpack fast path"),
     ("client", "caller", "runtime.core.futures", "Slot", "the caller's own future"),
@@ -92,7 +92,7 @@ REQUEST_WALK = [
     # server process, the supervisor's link thread (the reader when no caller reads)
     ("server", "phyrt-supervisor", "runtime.link.link_thread", "LinkThread._turn", "poll the ends' fds"),
     ("server", "phyrt-supervisor", "supervisor.supervisor", "WorkerSupervisor.poll_items", "the reader role, what to poll"),
-    ("server", "phyrt-supervisor", "supervisor.boot", "Answers.take_lane", "the announced answers, bookkeeping"),
+    ("server", "phyrt-supervisor", "runtime.link.rank_answers", "Answers.take_lane", "the announced answers, bookkeeping"),
     ("server", "phyrt-supervisor", "runtime.link.lane", "AnswerReader.take", "the answer's frame"),
     ("server", "phyrt-supervisor", "runtime.transport.wire", "unpack_message", "decode the answer"),
     ("server", "phyrt-supervisor", "supervisor.replica", "Replica.done", "claim the pending entry"),

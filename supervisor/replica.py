@@ -98,6 +98,10 @@ class Replica:
     def unavailable(self) -> EngineUnavailableError:
         return EngineUnavailableError(f"replica {self.engine_replica} is not serving: {self.failed or 'closed'}")
 
+    def queue_stats(self) -> dict:
+        """Its queue counters (``runtime.core.queue_stats``)."""
+        return self.window.lanes.stats.snapshot()
+
     # -- requests ----------------------------------------------------------------------
 
     def submit(self, request: Any, future: Any, stream: Any = None, priority: int = 0) -> Pending:

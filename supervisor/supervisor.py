@@ -11,6 +11,7 @@
 
     boot.py  spawn and the ready handshake       replica.py   one replica: requests, answers, blocks
     processes.py  the OS side: start_rank (on the link thread), reapers, blame
+    runtime.link.rank_answers  reading what the ranks send (the ctl ROUTER, answer lanes, hb ROUTER)
 
 The watch is an end of a ``runtime.link.link_thread.LinkThread`` (this class: ``tick``,
 ``poll_items``, ``after_poll``, ``broken``, ``shut``): heartbeats are watched whoever reads the
@@ -49,11 +50,12 @@ from runtime.core.config import EngineArgs, WorkerSupervisorConfig
 from runtime.core.errors import WorkerStartupError
 from runtime.core.futures import Slot
 from runtime.link.link_thread import LinkThread
+from runtime.link.rank_answers import Answers
 from runtime.link.reader import ReaderRole
 from runtime.transport.arena import ShmMapper, new_run_id, sweep_run, sweep_stale
 from runtime.transport.owners import sweep_run_dirs
 from runtime.transport.spin import Spinner, budget_ns, usable_cores
-from supervisor.boot import Answers, Launcher, Startup
+from supervisor.boot import Launcher, Startup
 from supervisor.processes import RankState, Reaping
 from supervisor.replica import Replica, fail_futures
 
@@ -135,17 +137,9 @@ class WorkerSupervisor:
 
     # -- the engine's side ---------------------------------------------------------
 
-    def group_error(self, replica: int) -> str | None:
-        """Why ``replica``'s group stopped serving ("the engine is closed" after close); None while healthy."""
-        return self._replicas[replica].failed
-
-    def queue_stats(self, replica: int) -> dict | None:
-        """``replica``'s queue counters (``runtime.core.queue_stats``)."""
-        return self._replicas[replica].window.lanes.stats.snapshot()
-
-    def plugin_info(self, replica: int) -> dict | None:
-        """Rank 0's runner info as its latest heartbeat carrying one had it; None until one came."""
-        return self._replicas[replica].info
+    def replica(self, index: int) -> Replica:
+        """Group ``index``: its ``failed`` ("the engine is closed" after close), ``info``, queue, arena."""
+        return self._replicas[index]
 
     def on_group_failure(self, replica: int, callback: Callable[[], None]) -> bool:
         """``callback()`` once ``replica``'s group fails (not at close), on its reaper thread after its
@@ -187,10 +181,6 @@ class WorkerSupervisor:
         if self._role.holder is None or (entry.deadline is not None and entry.deadline < self.wake_at) \
                 or (due is not None and due < self.wake_at):
             self._link.wake()
-
-    def empty(self, replica: int, shape: tuple[int, ...], dtype: Any) -> Any:
-        """A tensor in ``replica``'s request arena, sent without a copy (``Replica.lend``)."""
-        return self._replicas[replica].lend(shape, dtype)
 
     def _left(self, hand_on: bool) -> None:
         """The reader role was given up: answers still due wake the link thread to read them."""

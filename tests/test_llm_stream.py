@@ -307,7 +307,7 @@ def test_the_client_ends_a_stream_whose_chunks_have_a_gap():
     from runtime.client import server_errors
     from runtime.client.client import ClientStream
     from runtime.link.awaited import Awaited, Request
-    from runtime.link.session import CurrentSession
+    from runtime.link.current_session import CurrentSession
     from runtime.transport.protocol import pack_header
 
     replies = Awaited("ipc:///nonexistent", "numpy", CurrentSession(False, 0, list.append), server_errors)

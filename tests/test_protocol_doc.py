@@ -28,7 +28,7 @@ import torch
 from runtime.client.server_errors import InvalidRequestError
 from runtime.client import server_errors
 from runtime.link.awaited import Awaited, Request
-from runtime.link.session import CurrentSession
+from runtime.link.current_session import CurrentSession
 from runtime.link import client_protocol as cp
 from runtime.link.client_protocol import (HEADER_FIELDS, HEARTBEAT, PROTOCOL_VERSION, SUBMIT_REPLY_PREFIX,
                                           control_header, submit_message)

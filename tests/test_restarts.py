@@ -38,14 +38,8 @@ class StandInSupervisor:
         self.closed = threading.Event()
         self.listeners: dict[int, list] = {}
 
-    def group_error(self, group: int) -> str | None:
-        return self.failed[group]
-
-    def plugin_info(self, group: int) -> dict | None:
-        return None
-
-    def queue_stats(self, group: int) -> dict | None:
-        return None
+    def replica(self, group: int) -> "StandInReplica":
+        return StandInReplica(self, group)
 
     def on_group_failure(self, group: int, callback) -> bool:
         if self.failed[group] is not None:  # told already: too late
@@ -65,6 +59,22 @@ class StandInSupervisor:
     def close(self) -> None:
         self.failed = [f or "the engine is closed" for f in self.failed]
         self.closed.set()
+
+
+class StandInReplica:
+    """The part of a Replica an executor reads: its group's word, no info, no queue."""
+
+    info = None
+
+    def __init__(self, supervisor: StandInSupervisor, group: int) -> None:
+        self._supervisor, self._group = supervisor, group
+
+    @property
+    def failed(self) -> str | None:
+        return self._supervisor.failed[self._group]
+
+    def queue_stats(self) -> dict | None:
+        return None
 
 
 def stand_in_engine(replicas: int, start, max_restarts: int, backoff: float):

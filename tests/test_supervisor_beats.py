@@ -1,6 +1,6 @@
-"""The supervisor's heartbeats, without ranks: ``supervisor.boot.Answers.take_beats`` on a real hb
-ROUTER fed by fake ranks' DEALERs. A beat is HB {id: count}; rank 0's may carry its runner's info
-(kept per replica, ``WorkerSupervisor.plugin_info``); anything else fails the replica."""
+"""The supervisor's heartbeats, without ranks: ``runtime.link.rank_answers.Answers.take_beats`` on a
+real hb ROUTER fed by fake ranks' DEALERs. A beat is HB {id: count}; rank 0's may carry its runner's
+info (kept per replica, ``Replica.info``, which the executor reads); anything else fails the replica."""
 
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ import pytest
 import zmq
 
 from runtime.link import rank_protocol as rp
+from runtime.link.rank_answers import Answers
 from runtime.transport import wire
-from supervisor.boot import Answers
 from supervisor.processes import RankState
 from supervisor.replica import Replica
-from supervisor.supervisor import WorkerSupervisor
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -57,9 +56,6 @@ def test_a_plain_beat_and_rank_0s_beat_with_info_are_taken(beats):
     send(0, wire.pack_message(rp.HB, 2))  # info rides only when it changed: the last one stays
     assert replica.info == {"requests": 2} and failed == []
     assert all(r.last_beat > 0 for r in replica.ranks)
-    fake = object.__new__(WorkerSupervisor)
-    fake._replicas = [replica]
-    assert fake.plugin_info(0) == {"requests": 2}
 
 
 @pytest.mark.parametrize("rank,frames", [

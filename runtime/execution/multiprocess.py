@@ -6,9 +6,9 @@ has a supervisor of its own, where it is group 0. Each executor is a thin view o
 its group:
 
     dispatcher --submit--> MultiprocessExecutor(index) --supervisor.submit(group, request, future)--> ranks
-    dispatcher --healthy/error--> supervisor.group_error(group)    (None while the group serves)
+    dispatcher --healthy/error, info, queue, empty--> the group's Replica (supervisor.replica(group))
 
-Health is the supervisor's word on the group (plus this executor's own "closed"), so
+Health is the replica's own word (``failed``, plus this executor's own "closed"), so
 nothing has to be told when a group fails; ``on_failure`` tells a listener (the restart
 controller) on the group's reaper thread, once its ranks are gone. ``close`` closes the supervisor
 (idempotent there; a shared one stops every replica it holds).
@@ -33,6 +33,7 @@ class MultiprocessExecutor(ReplicaExecutor):
         super().__init__(index, devices)
         self._supervisor = supervisor
         self._group = index if group is None else group
+        self._replica = supervisor.replica(self._group)  # its state: failed, info, queue, arena
 
     @property
     def supervisor(self) -> Any:
@@ -42,14 +43,14 @@ class MultiprocessExecutor(ReplicaExecutor):
     @property
     def error(self) -> str | None:
         """Why this replica stopped serving (closed, or its group failed); None while healthy."""
-        return self._error or self._supervisor.group_error(self._group)
+        return self._error or self._replica.failed
 
     def plugin_info(self) -> dict | None:
         """Rank 0's runner info, as its last heartbeat carried it."""
-        return self._supervisor.plugin_info(self._group)
+        return self._replica.info
 
     def queue_stats(self) -> dict | None:
-        return self._supervisor.queue_stats(self._group)
+        return self._replica.queue_stats()
 
     def on_failure(self, callback: Any) -> bool:
         """``callback()`` once this replica's group fails, on the supervisor's reaper thread once its
@@ -80,7 +81,7 @@ class MultiprocessExecutor(ReplicaExecutor):
         self._supervisor.submit(self._group, request, future, stream, priority)
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
-        return self._supervisor.empty(self._group, shape, dtype)
+        return self._replica.lend(shape, dtype)  # sent without a copy
 
     def close(self, timeout: float | None = None) -> None:
         self.mark_failed("the engine is closed")

@@ -10,8 +10,10 @@ flight). The client's end (S5): ``link`` (``Link``, ``LinkOptions``), over ``dea
 by its caller), ``outbox`` (what the DEALER's holder sends, in order), ``awaited`` (its requests in
 flight and what each reply does), ``handshake`` (the monitor's verdicts) and ``link_thread``
 (``LinkThread``); ``reader`` (``ReaderRole``: who reads a socket, the waiting caller or the link
-thread; the DEALER's holder and the supervisor's reader both). The same-host shared memory (S6): ``session`` (``ShmSession``, the same at both
-ends, and the client's ``CurrentSession``); the server's ``listener`` keeps one per client
-(``peer_shm``). The engine's end of a replica's ranks: ``broadcast`` (the shm ring every rank
-reads; only the output rank answers, on its ctl DEALER; ``supervisor.replica`` writes it).
+thread; the DEALER's holder and the supervisor's reader both). The same-host shared memory (S6):
+``session`` (``ShmSession``, the same at both ends); the client's ``current_session``
+(``CurrentSession``); the server's ``listener`` keeps one per client (``peer_shm``). The engine's end of a replica's ranks: ``broadcast`` (the shm ring every rank
+reads; only the output rank answers, by its answer lane or ctl DEALER; ``supervisor.replica`` writes
+it), ``rank_window`` (when queued requests go to the ring) and ``rank_answers`` (``Answers``: reading
+what the ranks send).
 """

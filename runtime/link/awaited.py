@@ -41,7 +41,8 @@ import zmq
 from runtime.core.errors import ProtocolError
 from runtime.core.futures import resolve
 from runtime.link.pending import Entry, PendingTable
-from runtime.link.session import CurrentSession, ShmSession
+from runtime.link.current_session import CurrentSession
+from runtime.link.session import ShmSession
 from runtime.transport.endpoints import ipc_unreachable
 from runtime.transport.protocol import TensorResolver, numpy_tensor, numpy_view, torch_tensor, torch_view, unpack_header
 

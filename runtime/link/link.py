@@ -9,7 +9,7 @@ Torch-free; imports ``runtime.core``, ``runtime.transport`` and ``runtime.link``
     │                    LinkThread when replies are due and no caller reads (runtime.link.dealer)
     ├── Awaited          the PendingTable of requests in flight, the states (refused, lost,
     │                    closed), what each reply does (runtime.link.awaited)
-    └── CurrentSession   the ShmSession with the current server instance (runtime.link.session)
+    └── CurrentSession   the ShmSession with the current server instance (runtime.link.current_session)
 
     call(p), socket free: [lock: register + take the socket] send; read until its Slot is done;
       its own plain reply: [lock: claim + give the socket back]
@@ -42,7 +42,7 @@ from runtime.link.awaited import Awaited, Request
 from runtime.link.client_protocol import HEARTBEAT, control_header, plain_submit, submit_message
 from runtime.link.dealer import Dealer
 from runtime.link.link_thread import LinkThread
-from runtime.link.session import CurrentSession
+from runtime.link.current_session import CurrentSession
 
 __all__ = ["Link", "LinkOptions"]
 
