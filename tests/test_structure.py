@@ -39,6 +39,13 @@ MODELS_FROM_RUNTIME = {"runtime", "runtime.parallel"}
 PUBLIC_NAMES_ONLY = ("bench", "examples")
 #: ``threading.Thread(`` sites in the product at most (issue 33; ARCHITECTURE.md section 3)
 MAX_THREAD_SITES = 10
+#: folders that issue 33 narrowed, and how many modules (``__init__.py`` included) each may have
+MAX_MODULES = {"supervisor": 5, "runtime.client": 7}
+#: how many collaborators (parameters that are not plain data) a constructor may take (issue 33)
+MAX_COLLABORATORS = 4
+#: annotations of plain data: numbers, text, containers, torch dtypes and devices, configs
+DATA = re.compile(r"(None|int|float|str|bool|bytes|list|tuple|dict|frozenset|Sequence|mmap\.mmap"
+                  r"|torch\.\w+|\w*Config|EngineArgs|CurveKeys)(\[.*\])?")
 #: file names that every package folder may have
 SHARED_FILE_NAMES = {"__init__.py", "__main__.py"}
 #: the only other file names that two product modules share, and the modules sharing each.
@@ -84,6 +91,29 @@ def _section(text: str, title: str) -> str:
     match = re.search(rf"^## [^\n]*{re.escape(title)}[^\n]*\n(.*?)(?=^## |\Z)", text, re.M | re.S)
     assert match, f"ARCHITECTURE.md has no section titled {title!r}"
     return match.group(1)
+
+
+def test_the_narrowed_folders_keep_their_module_counts(modules):
+    counts = {folder: sum(1 for m in modules.values() if m.name.rpartition(".")[0] == folder
+                          or m.name == folder) for folder in MAX_MODULES}
+    assert {f: n for f, n in counts.items() if n > MAX_MODULES[f]} == {}
+    assert all(counts.values())  # (the folders exist: a rename must update this test)
+
+
+def test_no_constructor_takes_more_than_four_collaborators(modules):
+    """Issue 33: objects wired by a handful of collaborators, not by shared state passed around. A
+    collaborator is a parameter of ``__init__`` whose annotation is not plain data (``DATA``): an
+    object, a callable, ``Any``, or nothing said."""
+    wide = []
+    for m in modules.values():
+        for cls in (n for n in ast.walk(ast.parse(m.path.read_text())) if isinstance(n, ast.ClassDef)):
+            for init in (f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"):
+                args = init.args.posonlyargs + init.args.args[1:] + init.args.kwonlyargs
+                objects = [a.arg for a in args if a.annotation is None or not all(
+                    DATA.fullmatch(part.strip()) for part in ast.unparse(a.annotation).split("|"))]
+                if len(objects) > MAX_COLLABORATORS:
+                    wide.append(f"{m.name}.{cls.name}({', '.join(objects)})")
+    assert wide == []
 
 
 def test_no_two_product_modules_share_a_file_name(modules):
