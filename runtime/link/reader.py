@@ -108,26 +108,27 @@ class ReaderRole:
                 self._holder = _get_ident()
             return self._holder == _get_ident()
 
-    def release_locked(self) -> bool | None:
-        """Under ``lock``: give the role up if this thread holds it; then whether answers are still
-        due (hand on), or None when it did not hold it. Its caller then does what ``on_leave`` does,
-        outside the lock (the client gives its socket back with a reply's claim, in one hold)."""
+    def release_locked(self, hand_on: bool = True) -> bool | None:
+        """Under ``lock``: give the role up if this thread holds it; then whether to hand the reading
+        on (``hand_on`` and answers still due), or None when it did not hold it. Its caller then does
+        what ``on_leave`` does, outside the lock (the client gives its socket back with a reply's
+        claim, in one hold)."""
         if self._holder != _get_ident():
             return None  # not ours (close() may have taken it away)
         self._holder = None
         if self.closed:  # only wait_released waits on it, and only after close()
             self._left.notify_all()
             return False
-        return self._awaiting()
+        return hand_on and self._awaiting()  # (the link thread, leaving each turn, asks nothing)
 
     def leave(self, hand_on: bool = True) -> bool:
         """Give the role up (if this thread holds it; False if not), then ``on_leave(hand_on and
         answers are still due)``."""
         with self.lock:
-            due = self.release_locked()
+            due = self.release_locked(hand_on)
         if due is None:
             return False
-        self._on_leave(hand_on and due)
+        self._on_leave(due)
         return True
 
     # -- waiting for an answer ---------------------------------------------------------
