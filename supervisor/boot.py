@@ -133,9 +133,9 @@ class Launcher:
     (``on_thread``: the supervisor's ``LinkThread.call``; ``processes.start_rank``)."""
 
     def __init__(self, run_id: str, run_dir: str, mapper: ShmMapper,
-                 on_thread: Callable[[Callable[[], Any]], Any]) -> None:
+                 on_thread: Callable[[Callable[[], Any]], Any], queued: Callable[[Replica, Any], None]) -> None:
         self._run_id, self._run_dir = run_id, run_dir
-        self._mapper, self._on_thread = mapper, on_thread
+        self._mapper, self._on_thread, self._queued = mapper, on_thread, queued
 
     def spawn(self, replicas: list[Replica], args: EngineArgs, plugin_spec: str,
               placement: list[tuple[int, ...]], config: WorkerSupervisorConfig, target: str,
@@ -164,7 +164,8 @@ class Launcher:
         for replica, devices in enumerate(placement):
             batching = args.config.batching
             group = Replica(replica, first_replica + replica, ShmArena(self._run_id, ARENA_BYTES),
-                            config.execution_timeout_s, (batching.max_batch_size, batching.max_delay_ms / 1000))
+                            config.execution_timeout_s, (batching.max_batch_size, batching.max_delay_ms / 1000),
+                            self._queued)
             replicas.append(group)  # closed with the supervisor from here on, as its ring
             lane = lanes_available()
             group.ring = BroadcastWriter(self._run_id, len(devices), answer_bytes=ANSWERS_BYTES if lane else 0)

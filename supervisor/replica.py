@@ -3,7 +3,8 @@
     submit(request, future)   encode (tensors -> the request arena; a message larger than a ring
                               slot too); under ``pending.lock``: registered, then queued in the
                               replica's ``Lanes`` and written once to the broadcast ring
-                              (``runtime.link.broadcast``: every rank reads it) when its turn comes
+                              (``runtime.link.broadcast``: every rank reads it) when its turn comes;
+                              then ``queued`` tells the owner of the reader (the supervisor)
     done(rank, msg)           the reader's: rank 0's DONE (by the answer lane, ``answers``, or the
                               ctl socket) claims its entry; PARTIAL feeds a stream
     beat(rank, payload)       a heartbeat; rank 0's may carry its runner's info (``info``)
@@ -40,7 +41,7 @@ import math
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -77,10 +78,13 @@ class Replica:
     """One group of ranks serving one replica of the engine (see the module)."""
 
     def __init__(self, index: int, engine_replica: int, arena: ShmArena, timeout_s: float | None,
-                 batching: tuple[int, float] = (1, 0.0)) -> None:
+                 batching: tuple[int, float] = (1, 0.0), queued: Callable[[Replica, Pending], None] | None = None) -> None:
         """``index`` counts within the supervisor (a rebuilt replica is group 0 of its own one),
-        ``engine_replica`` within the engine; ``batching``: (max_batch_size, max_delay_s)."""
+        ``engine_replica`` within the engine; ``batching``: (max_batch_size, max_delay_s);
+        ``queued(replica, entry)`` after each submit, holding no lock: the owner of the reader
+        makes sure that somebody reads the answer in time (``WorkerSupervisor``)."""
         self.index, self.engine_replica = index, engine_replica
+        self._queued = queued
         self.ranks: list[RankState] = []
         self.arena, self.arena_lock = arena, threading.Lock()
         self.ring: Any = None  # its ``BroadcastWriter`` (thread-safe), set right after this is kept
@@ -124,6 +128,8 @@ class Replica:
             self.window.queue_locked(entry, request, priority, self.ring)
         if stream is not None:
             stream.bind_cancel(functools.partial(self.cancel, request_id))
+        if self._queued is not None:
+            self._queued(self, entry)
         return entry
 
     def stepped(self, stepped: Any) -> None:

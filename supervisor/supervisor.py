@@ -116,7 +116,7 @@ class WorkerSupervisor:
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._hb = self._socket(zmq.ROUTER, f"ipc://{self.run_dir}/hb")
         self._link.start()  # the ranks are forked from it, and die with it (PDEATHSIG): it outlives them
-        Launcher(self.run_id, self.run_dir, self._mapper, self._link.call).spawn(
+        Launcher(self.run_id, self.run_dir, self._mapper, self._link.call, self._queued).spawn(
             self._replicas, args, plugin_spec, placement, self.config, target, self.worker_spin_ns, first_replica)
         replicas = tuple(self._replicas)
         self._startup = Startup(replicas, self._mapper, self.config.startup_timeout_s, cancel)
@@ -155,7 +155,7 @@ class WorkerSupervisor:
         slot = Slot(then)
         owned = self._role.take_free()
         try:
-            self.submit(replica, request, slot, None, priority)
+            self._replicas[replica].submit(request, slot, None, priority)
         except BaseException:
             if owned:
                 self._role.leave()
@@ -170,13 +170,10 @@ class WorkerSupervisor:
             raise TimeoutError(f"no result within {timeout} s (the request was still running; its result is dropped)")
         return slot.result()
 
-    def submit(self, replica: int, request: Any, future: Any, stream: Any = None, priority: int = 0) -> None:
-        """Send ``request`` to every rank of ``replica``; ``future`` gets rank 0's answer, ``stream``
-        (a ``StreamCall``) the chunks of a streamed request. The future is completed by whichever
-        thread reads the answers (the link thread when no caller does)."""
-        group = self._replicas[replica]
-        entry = group.submit(request, future, stream, priority)
-        # the link thread reads when nobody else does (or sleeps past this deadline, or a batch's delay)
+    def _queued(self, group: Replica, entry: Any) -> None:
+        """Each replica's, after a submit (``Replica.submit``): the answer is read by whichever thread
+        reads; the link thread when nobody else does, or when it would sleep past this request's
+        deadline or a batch's delay."""
         due = group.window.due
         if self._role.holder is None or (entry.deadline is not None and entry.deadline < self.wake_at) \
                 or (due is not None and due < self.wake_at):

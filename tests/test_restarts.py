@@ -53,9 +53,6 @@ class StandInSupervisor:
         for callback in self.listeners.pop(group, []):
             threading.Thread(target=callback).start()
 
-    def submit(self, group: int, request, future: Future, stream=None, priority=0) -> None:
-        future.set_result((id(self), group, request))
-
     def close(self) -> None:
         self.failed = [f or "the engine is closed" for f in self.failed]
         self.closed.set()
@@ -75,6 +72,9 @@ class StandInReplica:
 
     def queue_stats(self) -> dict | None:
         return None
+
+    def submit(self, request, future: Future, stream=None, priority=0) -> None:
+        future.set_result((id(self._supervisor), self._group, request))
 
 
 def stand_in_engine(replicas: int, start, max_restarts: int, backoff: float):

@@ -5,8 +5,9 @@ ROUTER socket); a replica rebuilt after a failure (``runtime.execution.restarts`
 has a supervisor of its own, where it is group 0. Each executor is a thin view of
 its group:
 
-    dispatcher --submit--> MultiprocessExecutor(index) --supervisor.submit(group, request, future)--> ranks
+    dispatcher --submit--> MultiprocessExecutor(index) --replica.submit(request, future)--> ranks
     dispatcher --healthy/error, info, queue, empty--> the group's Replica (supervisor.replica(group))
+    start_call/finish_call (Engine.step) --> the supervisor: the caller reads its answer when nobody reads
 
 Health is the replica's own word (``failed``, plus this executor's own "closed"), so
 nothing has to be told when a group fails; ``on_failure`` tells a listener (the restart
@@ -78,7 +79,7 @@ class MultiprocessExecutor(ReplicaExecutor):
         # future is running, so cancel() answers False (only queued inline work cancels;
         # a stream's cancel reaches the ranks' runners instead)
         future.set_running_or_notify_cancel()
-        self._supervisor.submit(self._group, request, future, stream, priority)
+        self._replica.submit(request, future, stream, priority)  # its answer: see WorkerSupervisor._queued
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
         return self._replica.lend(shape, dtype)  # sent without a copy
