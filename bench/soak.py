@@ -18,7 +18,8 @@ failed explicitly (a ``ServerError`` subclass, counted by type: ConnectionLostEr
 while the server restarts, ServerUnavailableError when no replica is left,
 DeadlineExceededError, ...), wrong (a result that is not the policy's), untyped (any
 other exception), or lost (no outcome within --deadline-s + the client's heartbeat
-timeout + a margin). lost, untyped and wrong must be 0, and no server may wedge. A
+timeout + a margin). lost, untyped and wrong must be 0, no server may wedge, and each
+server exits 0 on SIGTERM or 3 by itself once no replica is left (its documented stop). A
 wedged server is SIGUSR1ed before its SIGKILL: faulthandler writes every thread's stack
 into its log, kept (with the directory) whenever something was left behind.
 
@@ -62,6 +63,9 @@ START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
 #: a live server that answers no ``info`` for this long is wedged: restarted, and reported
 WEDGED_S = 20.0
+#: a server's exit status once no replica can serve (``runtime.launch.EXIT_CANNOT_SERVE``; this
+#: process imports the client alone, not torch): the keeper restarts it, as a process manager would
+UNHEALTHY_EXIT = 3
 
 
 def _free_ports(count: int) -> int:
@@ -265,7 +269,8 @@ class Soak:
         self.serving = threading.Event()  # the current server is ready and has a healthy replica
         self.kills: list[dict] = []
         self.restarts = 0
-        self.unexpected_exits = 0
+        self.unexpected_exits = 0  # a server that exited by itself otherwise than as below
+        self.unhealthy_exits = 0  # runtime.launch's own stop, exit status 3, once no replica can serve
         self.wedged: list[int] = []  # pids of servers that stopped answering while alive
         self.keeper_error: str | None = None
         self.client_samples: list[dict] = []
@@ -339,7 +344,10 @@ class Soak:
         with self.server_lock:
             old = self.server
         old.stop()
-        if old.exit_code != 0 and why != "died":
+        # a server with no healthy replica stops by itself with exit status 3 (runtime.launch), and
+        # may have begun to when our SIGTERM comes (its log says "SIGTERM again"): both are right
+        expected = (0, 3) if why == "no healthy replica" else (0,)
+        if old.exit_code not in expected and why != "died":
             old.leftovers.append(f"exit code {old.exit_code} after SIGTERM")
         if self.stop.is_set():
             return
@@ -359,7 +367,10 @@ class Soak:
             while not self.stop.wait(0.5):
                 server = self.server
                 if server.proc.poll() is not None:
-                    self.unexpected_exits += 1
+                    if server.proc.returncode == UNHEALTHY_EXIT:
+                        self.unhealthy_exits += 1
+                    else:
+                        self.unexpected_exits += 1
                     self.restart_server("died")
                     answered = time.monotonic()
                     continue
@@ -481,6 +492,7 @@ class Soak:
             "examples": t.examples,
             "latency_ms": {"p50": pct(0.5), "p99": pct(0.99), "max": pct(1.0)},
             "server_starts": len(self.servers), "restarts": self.restarts, "unexpected_exits": self.unexpected_exits,
+            "unhealthy_exits": self.unhealthy_exits,
             "wedged": self.wedged,
             "ranks_killed": len(self.kills), "servers": instances,
             "client_process": {"fds": [min(client_fds), max(client_fds)], "threads": [min(client_threads),
@@ -494,7 +506,8 @@ def _summary(r: dict) -> str:
     lines = [
         f"soak: {r['minutes']} min, {r['clients']} clients, {r['server_starts']} server start(s), "
         f"{r['ranks_killed']} ranks killed, {len(r['wedged'])} server(s) wedged "
-        f"(no answer to info for {WEDGED_S:.0f} s)",
+        f"(no answer to info for {WEDGED_S:.0f} s), {r['unhealthy_exits']} stopped by themselves with no "
+        f"replica left (exit {UNHEALTHY_EXIT}), {r['unexpected_exits']} exited otherwise",
         f"requests: sent {r['sent']}, succeeded {r['succeeded']}, failed explicitly {r['failed']} "
         f"{r['failed_by_type']}, lost {r['lost']}, untyped {r['untyped']}, wrong {r['wrong']}",
         f"latency of successes: p50 {r['latency_ms']['p50']} ms, p99 {r['latency_ms']['p99']} ms, "

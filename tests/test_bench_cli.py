@@ -261,3 +261,14 @@ def test_ab_serving_compares_two_checkouts_and_leaves_nothing(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "bench.ab_serving", str(tmp_path), ROOT], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "no runtime/client package" in bad.stderr
+
+
+def test_soak_expects_the_servers_own_exit_status_for_no_replica_left():
+    """``bench.soak`` keeps the client-only imports (no torch), so it names the server's exit
+    status for "no replica can serve" itself: a server that stops that way is restarted, not
+    counted as an unexpected exit, and the number must stay the one ``runtime.launch`` uses."""
+    from bench import soak
+    from runtime import launch
+
+    assert soak.UNHEALTHY_EXIT == launch.EXIT_CANNOT_SERVE
+    assert soak.UNHEALTHY_EXIT != launch.EXIT_STOPPED
