@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from typing import Any, Callable
 
 import numpy as np
@@ -49,10 +50,36 @@ LABELS = {
 
 
 class Path:
-    """One transport: ``call(request)`` is one round trip; ``request(size)`` its payload (None: not run)."""
+    """One transport: ``call(request)`` is one round trip; ``request(size)`` its payload (None: not run);
+    ``ranks``: a local engine's rank processes, rank 0 first (their CPU is counted)."""
 
-    def __init__(self, key: str, call: Callable[[Any], Any], request: Callable[[Any], Any], slow: bool = False):
+    def __init__(self, key: str, call: Callable[[Any], Any], request: Callable[[Any], Any], slow: bool = False,
+                 ranks: tuple[Any, ...] = ()):
         self.key, self.label, self.call, self.request, self.slow = key, LABELS[key], call, request, slow
+        self.ranks = ranks
+
+
+def _new_ranks(before: set[int]) -> tuple[Any, ...]:
+    """The rank processes (``phyrt-r<replica>-<rank>``) this process started since ``before``, rank 0 first."""
+    import psutil
+
+    new = [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
+    return tuple(sorted((c for c in new if c.name().startswith("phyrt-r")), key=lambda c: c.name()))
+
+
+def _cpu_s(process: Any) -> float:
+    """CPU seconds of all of ``process``'s threads: the scheduler's ns counts (``/proc/PID/task/*/
+    schedstat``) where Linux has them, else psutil's clock ticks (10 ms: too coarse for one round)."""
+    try:
+        total = 0
+        for tid in os.listdir(f"/proc/{process.pid}/task"):
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread that just ended
+                with open(f"/proc/{process.pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+        return total / 1e9
+    except (OSError, ValueError, IndexError):
+        times = process.cpu_times()
+        return times.user + times.system
 
 
 def _payloads(mib: int) -> dict[str, Any]:
@@ -120,22 +147,31 @@ def start_paths(ctx: RunContext, stack: contextlib.ExitStack, section: Section) 
     progress("latency: starting the phyrt engines (inline; local, 1 rank; local, a tp=2 replica)")
     inline = EngineEcho(LABELS[INLINE], EngineArgs(plugin=PLUGIN))
     stack.callback(inline.close)
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
     local = EngineEcho(LABELS[LOCAL], EngineArgs(plugin=PLUGIN, config=EngineConfig(device=DeviceConfig(target="cpu"))),
                        DeploymentConfig.local(replica_count=1))
     stack.callback(local.close)
+    local_ranks = _new_ranks(before)
+    before |= {p.pid for p in local_ranks}
     tp2 = EngineEcho(LABELS[LOCAL_TP2], EngineArgs(plugin=PLUGIN, config=EngineConfig(
         device=DeviceConfig(target="cpu"), parallel=ParallelConfig(dense=DenseParallelConfig(tp_size=2)))),
         DeploymentConfig.local(replica_count=1))
     stack.callback(tp2.close)
     paths += [Path(INLINE, inline.call, lambda p: SMALL_REQUEST if p is None else p["torch"]),
-              Path(LOCAL, local.call, lambda p: SMALL_REQUEST if p is None else p["torch"]),
-              Path(LOCAL_TP2, tp2.call, lambda p: SMALL_REQUEST if p is None else None)]
+              Path(LOCAL, local.call, lambda p: SMALL_REQUEST if p is None else p["torch"], ranks=local_ranks),
+              Path(LOCAL_TP2, tp2.call, lambda p: SMALL_REQUEST if p is None else None, ranks=_new_ranks(before))]
     ctx.pids.update(p.pid for p in psutil.Process().children(recursive=True))
     return paths
 
 
-def measure_small(paths: list[Path], iters: int, warmup: int, ctx: RunContext) -> dict[str, list[int]]:
-    """``warmup`` untimed, then ``iters`` timed round trips per path in ROUNDS interleaved rounds."""
+def measure_small(paths: list[Path], iters: int, warmup: int, ctx: RunContext,
+                  cpu: dict[str, list[float]]) -> dict[str, list[int]]:
+    """``warmup`` untimed, then ``iters`` timed round trips per path in ROUNDS interleaved rounds.
+    For a path with ranks, ``cpu[key]``: the CPU seconds this process and each rank spent in its
+    timed rounds (while one path runs, the others' threads and processes are idle)."""
+    import psutil
+
+    me = psutil.Process()
     subjects = [(p, p.request(None)) for p in paths if p.request(None) is not None]
     for path, request in subjects:
         reply = path.call(request)
@@ -147,7 +183,12 @@ def measure_small(paths: list[Path], iters: int, warmup: int, ctx: RunContext) -
     for r in range(ROUNDS):
         ctx.progress(f"latency: small request, round {r + 1}/{ROUNDS} ({per_round} round trips per path)")
         for path, request in subjects:
+            procs = (me, *path.ranks) if path.ranks else ()
+            start = [_cpu_s(q) for q in procs]
             timed(path.call, request, per_round, samples[path.key])
+            if procs:
+                spent = [_cpu_s(q) - s for q, s in zip(procs, start)]
+                cpu[path.key] = [a + b for a, b in zip(cpu.get(path.key, [0.0] * len(spent)), spent)]
     return samples
 
 
@@ -189,7 +230,8 @@ def run(ctx: RunContext) -> Section:
     with contextlib.ExitStack() as stack:
         paths = start_paths(ctx, stack, section)
         ctx.progress(f"latency: small request, {warmup} warm-up + {iters} timed round trips per path")
-        samples: dict[Any, dict[str, list[int]]] = {"small": measure_small(paths, iters, warmup, ctx)}
+        cpu: dict[str, list[float]] = {}
+        samples: dict[Any, dict[str, list[int]]] = {"small": measure_small(paths, iters, warmup, ctx, cpu)}
         for mib in SIZES_MIB:
             fast, slow = counts[mib]
             ctx.progress(f"latency: {mib} MiB tensor ({fast} round trips per path, {slow} for pickle and websocket)")
@@ -207,7 +249,9 @@ def run(ctx: RunContext) -> Section:
         "n": {str(size): {k: len(v) for k, v in by.items()} for size, by in samples.items()},
         "labels": {k: LABELS[k] for k in available + [MEMCPY]},
     }
-    section.tables += [_small_table(samples["small"], iters, warmup, small_bytes),
+    section.data["small_cpu_us_per_request"] = {k: [round(1e6 * c / len(samples["small"][k]), 1) for c in v]
+                                                for k, v in cpu.items()}
+    section.tables += [_small_table(samples["small"], iters, warmup, small_bytes), _cpu_table(samples["small"], cpu),
                        _size_table(samples, counts)]
     for table in section.tables:  # a peer that could not run still has its row, saying why
         for key, reason in unavailable.items():
@@ -232,6 +276,27 @@ def _small_table(small: dict[str, list[int]], iters: int, warmup: int, nbytes: i
          "`DeploymentConfig.local(replica_count=1)` on the CPU (tp=2: `ParallelConfig(dense=DenseParallelConfig("
          "tp_size=2))`, 2 ranks, rank 0 answers). Echo servers and peers are separate spawned "
          "processes; the Ray actor runs in a Ray worker of a local Ray cluster started by `ray.init`."])
+
+
+def _cpu_table(small: dict[str, list[int]], cpu: dict[str, list[float]]) -> Table:
+    from runtime.transport.spin import usable_cores
+
+    rows = []
+    for key, spent in cpu.items():
+        n = len(small[key])
+        ranks = [fmt_us(1e9 * s / n) for s in spent[1:]] + [""] * (3 - len(spent))
+        rows.append([LABELS[key], fmt_us(p50(small[key])), fmt_us(1e9 * spent[0] / n), *ranks,
+                     fmt_us(1e9 * sum(spent) / n)])
+    return Table(
+        "Small request on a local engine: where the CPU goes", ["path", "p50 µs", "this process µs/request",
+                                                               "rank 0 µs/request", "rank 1 µs/request",
+                                                               "all µs/request"], rows,
+        [f"The timed rounds of the table above, on {usable_cores()} usable cores: the CPU time of all threads of "
+         "this process (the caller and the supervisor's link thread) and of each rank process (the scheduler's "
+         "counts, `/proc/PID/task/*/schedstat`), divided by the round trips. A process that polls for a message "
+         "a moment before it sleeps (`runtime.transport.spin`) counts that time too. Where the processes of a path need more cores than "
+         "there are, one's CPU time lands on the core another needs: rank 1 sends nothing per request, but its "
+         "decode and echo of each request still take a core."])
 
 
 def _size_table(samples: dict[Any, dict[str, list[int]]], counts: dict[int, tuple[int, int]]) -> Table:
@@ -259,6 +324,8 @@ def _size_table(samples: dict[Any, dict[str, list[int]]], counts: dict[int, tupl
 
 
 def _targets(samples: dict[Any, dict[str, list[int]]], transport: Any) -> list[Target]:
+    from runtime.transport.spin import usable_cores
+
     small, big = samples["small"], samples[64]
     local, floor = p50(small[LOCAL]), p50(small[ZMQ])
     med = {k: p50(big[k]) for k in (MEMCPY, INLINE, LOCAL, PICKLE)}
@@ -270,7 +337,8 @@ def _targets(samples: dict[Any, dict[str, list[int]]], transport: Any) -> list[T
         Target(f"local 1-rank small-request p50 ≤ {transport.TARGET_SMALL_RATIO:g}× bare ZMQ echo p50",
                f"{small_ratio:.2f}× ({fmt_us(local)} µs / {fmt_us(floor)} µs)",
                small_ratio <= transport.TARGET_SMALL_RATIO),
-        Target(f"local tp=2 replica's small-request p50 ≤ {TARGET_TP2_RATIO:g}× a 1-rank replica's",
+        Target(f"local tp=2 replica's small-request p50 ≤ {TARGET_TP2_RATIO:g}× a 1-rank replica's "
+               f"({usable_cores()} usable cores)",
                f"{tp2_ratio:.2f}× ({fmt_us(p50(small[LOCAL_TP2]))} µs / {fmt_us(local)} µs)",
                tp2_ratio <= TARGET_TP2_RATIO),
         Target(f"64 MiB in+out on a local rank ≤ {transport.TARGET_EXTRA_MEMCPYS:g} memcpys more than inline",
