@@ -294,9 +294,9 @@ def _cpu_table(small: dict[str, list[int]], cpu: dict[str, list[float]]) -> Tabl
         [f"The timed rounds of the table above, on {usable_cores()} usable cores: the CPU time of all threads of "
          "this process (the caller and the supervisor's link thread) and of each rank process (the scheduler's "
          "counts, `/proc/PID/task/*/schedstat`), divided by the round trips. A process that polls for a message "
-         "a moment before it sleeps (`runtime.transport.spin`) counts that time too. Where the processes of a path need more cores than "
-         "there are, one's CPU time lands on the core another needs: rank 1 sends nothing per request, but its "
-         "decode and echo of each request still take a core."])
+         "a moment before it sleeps (`runtime.transport.spin`) counts that time too. Where the processes of a "
+         "path need more cores than there are, one's CPU time lands on the core another needs: rank 1 sends "
+         "nothing per request, but its decode and echo of each request still take a core."])
 
 
 def _size_table(samples: dict[Any, dict[str, list[int]]], counts: dict[int, tuple[int, int]]) -> Table:

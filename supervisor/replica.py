@@ -78,7 +78,8 @@ class Replica:
     """One group of ranks serving one replica of the engine (see the module)."""
 
     def __init__(self, index: int, engine_replica: int, arena: ShmArena, timeout_s: float | None,
-                 batching: tuple[int, float] = (1, 0.0), queued: Callable[[Replica, Pending], None] | None = None) -> None:
+                 batching: tuple[int, float] = (1, 0.0),
+                 queued: Callable[[Replica, Pending], None] | None = None) -> None:
         """``index`` counts within the supervisor (a rebuilt replica is group 0 of its own one),
         ``engine_replica`` within the engine; ``batching``: (max_batch_size, max_delay_s);
         ``queued(replica, entry)`` after each submit, holding no lock: the owner of the reader
