@@ -61,6 +61,8 @@ class Answers:
         #: lane of each replica that has one (``runtime.link.lane.AnswerReader``)
         self.items: list[tuple[Any, Callable[[], None]]] = [(router, self.take)] + [
             (g.answers.fd, functools.partial(self.take_lane, g)) for g in replicas if g.answers is not None]
+        self._takes = dict(self.items)  # what a reading caller polls (``read``), and what takes each
+        self._polled = [(item, _POLLIN) for item in self._takes]
 
     def take(self) -> None:
         """Take one ctl message (the poll said there is one)."""
@@ -99,8 +101,8 @@ class Answers:
     def read(self, role: Any, spinner: Any, poll_ms: int, future: Any, deadline: float | None) -> None:
         """As the reader (``ReaderRole.wait``): take answers until ``future`` is done, ``deadline``
         passed or the role is closed; woken through ``role.fd`` (a failure, close)."""
-        takes = dict(self.items)
-        items = [(item, _POLLIN) for item in takes] + [(role.fd, _POLLIN)]
+        takes = self._takes
+        items = self._polled + [(role.fd, _POLLIN)]
         while not future.done() and not role.closed:
             wait_ms = 2 if self.waiting else poll_ms  # a ring waiting for a rank's credit: look soon
             if deadline is not None:
